@@ -1,0 +1,208 @@
+"""The messages that cross the shared-memory rings, and their codec.
+
+Orchestrator → executor (decision ring): :class:`Plan`, :class:`Release`, :class:`Reconfigure`,
+:class:`Shutdown`.  Executor → orchestrator (result ring): :class:`Ready`, :class:`Result`,
+:class:`ExecError`.  Every message is a tagged ``msgspec.Struct`` encoded array-like, so the wire
+form is a short msgpack array whose first element is the tag.
+
+Sequence state lives on both sides: the orchestrator owns it, the executor mirrors the part it
+needs (block table, sampling parameters, last sampled token, tokens generated) keyed by
+``seq_id`` until a :class:`Release` drops it.  A ``seq_id`` names one request (one agent turn);
+its block table may start with blocks shared with other sequences (prefix cache).
+
+Overlap: a decode :class:`SeqPlan` with empty ``token_ids`` means "feed the token this sequence
+sampled last", so the orchestrator can put step N+1 on the ring before step N's result is back.
+
+This module must stay free of torch: the orchestrator imports it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+WIRE_VERSION = 1
+
+
+class Lane(enum.IntEnum):
+    DECODE = 0
+    PREFILL = 1
+
+
+class Finish(enum.IntEnum):
+    """Why a sequence stopped producing tokens (``NONE`` while it runs)."""
+
+    NONE = 0
+    STOP = 1  # an eos or stop token id was sampled
+    LENGTH = 2  # max_tokens reached
+    ABORT = 3  # the orchestrator dropped it
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+class SamplingParams(_Msg, frozen=True):
+    """Per-request sampling. ``temperature == 0`` is greedy; 0 / 1.0 disable top_k / top_p."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+
+class SeqPlan(_Msg):
+    """One sequence's share of a step.
+
+    ``token_ids`` are fed at positions ``start_pos ..``; empty means the last sampled token
+    (decode overlap).  ``new_blocks`` are appended to the executor's block table for this
+    sequence (the whole table when the sequence is new).  ``sample`` is false for every prefill
+    chunk but the last.  ``sampling`` is sent once, with the sequence's first plan.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    new_blocks: list[int] = []
+    sample: bool = True
+    sampling: SamplingParams | None = None
+
+
+class Plan(_Msg, tag="plan"):
+    """One lane's work for one step: the decision the scheduler makes."""
+
+    step: int
+    lane: Lane
+    rung: int  # context index: which partition rung the lane runs on
+    token_budget: int
+    seqs: list[SeqPlan]
+
+
+class Release(_Msg, tag="release"):
+    """Forget executor-side state of these sequences (finished, aborted or preempted)."""
+
+    seq_ids: list[int]
+
+
+class Reconfigure(_Msg, tag="reconfigure"):
+    """Change executor settings at a step boundary (``-1`` leaves a field as it is)."""
+
+    decode_rung: int = -1
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    reason: str = ""
+
+
+class Rung(_Msg):
+    """One partition of the ladder: units are SMs on a GPU, cores on a CPU."""
+
+    index: int
+    decode_units: int
+    prefill_units: int
+    partitioned: bool
+
+
+class Ready(_Msg, tag="ready"):
+    """The executor is loaded and serving."""
+
+    wire_version: int
+    pid: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    backend: str
+    reason: str
+    ladder: list[Rung]
+    device: str = ""
+    model: str = ""
+
+
+class SeqResult(_Msg):
+    """``token_id`` is -1 when the step did not sample this sequence (a non-final prefill chunk)."""
+
+    seq_id: int
+    token_id: int = -1
+    logprob: float = 0.0
+    finish: Finish = Finish.NONE
+
+
+class Result(_Msg, tag="result"):
+    """What one lane step produced. Times are ``time.monotonic()`` seconds of the executor."""
+
+    step: int
+    lane: Lane
+    rung: int
+    seqs: list[SeqResult]
+    t_start: float
+    t_end: float
+    gap_ms: float = 0.0  # idle time of this lane before the step began
+
+
+class ExecError(_Msg, tag="error"):
+    """The executor failed a step (``fatal``: it is going down)."""
+
+    message: str
+    step: int = -1
+    seq_ids: list[int] = []
+    fatal: bool = False
+
+
+ToExecutor = Plan | Release | Reconfigure | Shutdown
+FromExecutor = Ready | Result | ExecError
+
+
+class DecodeError(ValueError):
+    """A ring slot held bytes that are not a valid message."""
+
+
+class Codec:
+    """One reused encoder and decoder for one direction of the rings."""
+
+    def __init__(self, union: object) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(union)
+
+    def encode_into(self, msg: msgspec.Struct, buf: bytearray) -> int:
+        """Encode ``msg`` into the reused ``buf`` (resized as needed); return the byte length."""
+        self._encoder.encode_into(msg, buf)
+        return len(buf)
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, data: bytes | memoryview) -> msgspec.Struct:
+        try:
+            return self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise DecodeError(f"undecodable message: {e}") from None
+
+
+def to_executor_codec() -> Codec:
+    return Codec(ToExecutor)
+
+
+def from_executor_codec() -> Codec:
+    return Codec(FromExecutor)
