@@ -1,0 +1,24 @@
+"""Project-wide test fixtures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+SHM_DIR = "/dev/shm"
+
+
+def _our_segments() -> set[str]:
+    if not os.path.isdir(SHM_DIR):
+        return set()
+    return {n for n in os.listdir(SHM_DIR) if "agentserve" in n}
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_shared_memory():
+    """Every test must leave /dev/shm as it found it: no segment or semaphore of ours stays behind."""
+    before = _our_segments()
+    yield
+    leaked = _our_segments() - before
+    assert not leaked, f"test left shared-memory entries behind: {sorted(leaked)}"

@@ -1,0 +1,48 @@
+"""The wheel must carry every module of every mapped folder, and the configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MAPPED = {"orchestrator", "executor", "shm", "cli", "client", "bench", "configs"}
+
+
+def _source_files() -> set[str]:
+    out = set()
+    for folder in MAPPED:
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".toml") and "__pycache__" not in path.parts:
+                out.add("agentserve/" + path.relative_to(ROOT).as_posix())
+    return out
+
+
+@pytest.mark.slow
+def test_wheel_carries_every_module(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("agentserve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = _source_files() - names
+    assert not missing, f"wheel lacks: {sorted(missing)}"
+    assert "agentserve/executor/__init__.py" in names
+
+
+def test_every_python_folder_is_mapped() -> None:
+    """A new package folder must be added to pyproject's package map, or the wheel silently drops it."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped_dirs = set(config["package-dir"].values())
+    for init in ROOT.rglob("__init__.py"):
+        rel = init.parent.relative_to(ROOT).as_posix()
+        if rel.split("/")[0] in MAPPED:
+            assert rel in mapped_dirs, f"{rel} has an __init__.py but is not in pyproject's package-dir"
