@@ -1,0 +1,138 @@
+"""Latency metrics of a benchmark run, computed from per-request timelines.
+
+Conventions (those of ``vllm bench serve`` / SGLang ``bench_serving``):
+
+* TTFT = first token arrival − send time; E2E = last token arrival − send time;
+* TPOT = (E2E − TTFT) / (n − 1) for a request of n output tokens (undefined for n = 1);
+* ITL = the gap between consecutive *chunks* as the client receives them (a chunk that carries
+  several tokens counts once);
+* SLO attainment = share of finished requests with TTFT ≤ SLO and TPOT ≤ SLO (a one-token request
+  has no TPOT and is judged on TTFT only); goodput = those requests per second of the run
+  (DistServe); token throughput = output tokens per second of the run.
+
+All times are seconds of one monotonic clock (``time.perf_counter``); reports convert to ms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one turn: when it was sent and when each chunk of tokens arrived."""
+
+    agent: int
+    task: int
+    step: int
+    kind: str  # "cold" | "resume"
+    prompt_tokens: int
+    max_tokens: int
+    sent: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival time, tokens in it)
+    error: str | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.n_tokens > 0
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0][0] - self.sent
+
+    @property
+    def e2e(self) -> float:
+        return self.chunks[-1][0] - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        n = self.n_tokens
+        return (self.e2e - self.ttft) / (n - 1) if n > 1 else None
+
+    @property
+    def itls(self) -> list[float]:
+        times = [t for t, _ in self.chunks]
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+@dataclass
+class TaskRecord:
+    """One agent task: from the send of its cold turn to the last token of its last turn."""
+
+    agent: int
+    task: int
+    start: float
+    end: float | None = None  # None: cut off by the end of the run or by an error
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+
+@dataclass
+class RunRecord:
+    """Everything one benchmark run of one system recorded."""
+
+    start: float
+    end: float
+    requests: list[RequestRecord] = field(default_factory=list)
+    tasks: list[TaskRecord] = field(default_factory=list)
+
+    @property
+    def elapsed(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float = 2.0
+    tpot_s: float = 0.1
+
+    def met(self, r: RequestRecord) -> bool:
+        tpot = r.tpot
+        return r.ttft <= self.ttft_s and (tpot is None or tpot <= self.tpot_s)
+
+
+def summary(values: list[float], scale: float = 1.0) -> dict[str, float | int | None]:
+    """mean / p50 / p95 / p99 (linear interpolation, as ``numpy.percentile``) times ``scale``."""
+    if not values:
+        return {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None}
+    a = np.asarray(values, dtype=float) * scale
+    p50, p95, p99 = np.percentile(a, [50, 95, 99])
+    return {"count": len(values), "mean": float(a.mean()), "p50": float(p50), "p95": float(p95),
+            "p99": float(p99)}
+
+
+def aggregate(run: RunRecord, slo: SLO) -> dict:
+    """The figures of one run (latencies in ms, task times in s, rates per second)."""
+    done = [r for r in run.requests if r.ok]
+    ms = 1000.0
+    elapsed = max(run.elapsed, 1e-9)
+    good = sum(slo.met(r) for r in done)
+    tpots = [r.tpot for r in done if r.tpot is not None]
+    return {
+        "requests": len(done),
+        "errors": sum(r.error is not None for r in run.requests),
+        "elapsed_s": run.elapsed,
+        "ttft": summary([r.ttft for r in done], ms),
+        "ttft_cold": summary([r.ttft for r in done if r.kind == "cold"], ms),
+        "ttft_resume": summary([r.ttft for r in done if r.kind == "resume"], ms),
+        "tpot": summary(tpots, ms),
+        "itl": summary([x for r in done for x in r.itls], ms),
+        "e2e": summary([r.e2e for r in done], ms),
+        "task_time_s": summary([t.duration for t in run.tasks if t.duration is not None]),
+        "tasks_completed": sum(t.end is not None for t in run.tasks),
+        "output_tokens": sum(r.n_tokens for r in done),
+        "throughput_tok_s": sum(r.n_tokens for r in done) / elapsed,
+        "request_throughput": len(done) / elapsed,
+        "slo_attainment": good / len(done) if done else 0.0,
+        "ttft_slo_attainment": sum(r.ttft <= slo.ttft_s for r in done) / len(done) if done else 0.0,
+        "tpot_slo_attainment": sum(t <= slo.tpot_s for t in tpots) / len(tpots) if tpots else 0.0,
+        "goodput": good / elapsed,
+    }

@@ -1,0 +1,86 @@
+"""Metric computations on hand-made timelines; every expected number is worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentserve.bench.metrics import SLO, RequestRecord, RunRecord, TaskRecord, aggregate, summary
+
+
+def _req(sent, chunks, kind="resume", agent=0, task=0, step=1, error=None):
+    return RequestRecord(agent, task, step, kind, 50, 8, sent, list(chunks), error)
+
+
+def test_ttft_tpot_e2e_itl_of_one_request():
+    # sent at 10.0; tokens at 10.5, 10.6, 10.8 (a chunk of 2 tokens), 11.1
+    r = _req(10.0, [(10.5, 1), (10.6, 1), (10.8, 2), (11.1, 1)])
+    assert r.n_tokens == 5
+    assert r.ttft == pytest.approx(0.5)
+    assert r.e2e == pytest.approx(1.1)
+    # (E2E - TTFT) / (n - 1) = (1.1 - 0.5) / 4 = 0.15
+    assert r.tpot == pytest.approx(0.15)
+    # one gap per chunk: 0.1, 0.2, 0.3
+    assert r.itls == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_single_token_request_has_no_tpot_and_is_judged_on_ttft():
+    r = _req(0.0, [(0.3, 1)])
+    assert r.tpot is None and r.itls == []
+    assert SLO(ttft_s=0.5, tpot_s=0.001).met(r)
+    assert not SLO(ttft_s=0.2, tpot_s=1.0).met(r)
+
+
+def test_summary_percentiles_interpolate_linearly():
+    s = summary([1.0, 2.0, 3.0, 4.0, 5.0], scale=1000.0)
+    # p95 of 5 values: rank 0.95 * 4 = 3.8 -> 4 + 0.8 * (5 - 4) = 4.8
+    assert s == {"count": 5, "mean": 3000.0, "p50": 3000.0, "p95": pytest.approx(4800.0),
+                 "p99": pytest.approx(4960.0)}
+    assert summary([])["p95"] is None
+
+
+def test_aggregate_slo_attainment_goodput_and_throughput():
+    reqs = [
+        # A: TTFT 0.2, TPOT (0.5 - 0.2) / 3 = 0.1      -> meets both (TPOT SLO 0.1 is inclusive)
+        _req(0.0, [(0.2, 1), (0.3, 1), (0.4, 1), (0.5, 1)], kind="cold"),
+        # B: TTFT 1.0, TPOT (1.3 - 1.0) / 2 = 0.15     -> fails both
+        _req(1.0, [(2.0, 1), (2.1, 1), (2.3, 1)], agent=1),
+        # C: TTFT 0.1, TPOT (0.9 - 0.1) / 2 = 0.4      -> TTFT ok, TPOT not
+        _req(3.0, [(3.1, 2), (3.9, 1)], agent=2),
+        # D: TTFT 0.9 > 0.5, TPOT 0.05                  -> TPOT ok, TTFT not
+        _req(4.0, [(4.9, 1), (4.95, 1)], agent=3),
+        # E: failed: excluded from latencies, counted as error
+        _req(5.0, [(5.5, 1)], error="boom"),
+    ]
+    tasks = [TaskRecord(0, 0, 0.0, 8.0), TaskRecord(1, 0, 1.0, 5.0), TaskRecord(2, 0, 3.0, None)]
+    run = RunRecord(start=0.0, end=10.0, requests=reqs, tasks=tasks)
+    m = aggregate(run, SLO(ttft_s=0.5, tpot_s=0.1))
+    assert m["requests"] == 4 and m["errors"] == 1
+    assert m["slo_attainment"] == pytest.approx(1 / 4)
+    assert m["ttft_slo_attainment"] == pytest.approx(2 / 4)
+    assert m["tpot_slo_attainment"] == pytest.approx(2 / 4)
+    # goodput: 1 request met both SLOs in 10 s
+    assert m["goodput"] == pytest.approx(0.1)
+    # output tokens 4 + 3 + 3 + 2 = 12 over 10 s
+    assert m["output_tokens"] == 12
+    assert m["throughput_tok_s"] == pytest.approx(1.2)
+    assert m["request_throughput"] == pytest.approx(0.4)
+    # TTFTs 200, 1000, 100, 900 ms: mean 550, median (200 + 900) / 2 = 550
+    assert m["ttft"]["mean"] == pytest.approx(550.0) and m["ttft"]["p50"] == pytest.approx(550.0)
+    assert m["ttft_cold"]["count"] == 1 and m["ttft_cold"]["p50"] == pytest.approx(200.0)
+    assert m["ttft_resume"]["count"] == 3
+    # TPOTs 100, 150, 400, 50 ms: mean 175; sorted 50,100,150,400 -> p50 125, p95 at rank 2.85 -> 362.5
+    assert m["tpot"]["mean"] == pytest.approx(175.0)
+    assert m["tpot"]["p50"] == pytest.approx(125.0)
+    assert m["tpot"]["p95"] == pytest.approx(362.5)
+    # ITLs: A 0.1,0.1,0.1; B 0.1,0.2; C 0.8; D 0.05 -> 7 gaps, mean 1.45 / 7 s
+    assert m["itl"]["count"] == 7
+    assert m["itl"]["mean"] == pytest.approx(1450.0 / 7)
+    # tasks: 8 s and 4 s completed, one cut off
+    assert m["tasks_completed"] == 2
+    assert m["task_time_s"]["mean"] == pytest.approx(6.0)
+
+
+def test_aggregate_of_an_empty_run_is_well_defined():
+    m = aggregate(RunRecord(0.0, 1.0), SLO())
+    assert m["requests"] == 0 and m["slo_attainment"] == 0.0 and m["goodput"] == 0.0
+    assert m["tpot"]["p95"] is None
