@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from agentserve.bench.metrics import SLO, RequestRecord, RunRecord, TaskRecord, aggregate, summary
 
 

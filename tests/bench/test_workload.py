@@ -7,7 +7,6 @@ import random
 import statistics
 
 import pytest
-
 from agentserve.bench.workload import Span, ToolLatency, Workload, load_spec
 
 
