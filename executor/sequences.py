@@ -1,0 +1,67 @@
+"""The executor's mirror of sequence state, keyed by ``seq_id``.
+
+The orchestrator owns every sequence; the executor keeps only what a step needs: the block table,
+the sampling parameters (sent once), the per-request generator, the last sampled token (so a decode
+plan may omit it — the overlap rule of :mod:`agentserve.shm.messages`) and the generated count.
+
+Invariant kept by the orchestrator: a sequence is in at most one in-flight plan, and ``Release``
+for it comes only after the results of all its plans are back.  So each entry is touched by one
+lane at a time; the lock guards only the dictionary itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from agentserve.executor.errors import InvalidRequestError
+from agentserve.executor.sampler import make_generator
+from agentserve.shm.messages import Finish, SamplingParams, SeqPlan
+
+
+@dataclass
+class SeqState:
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    block_table: list[int] = field(default_factory=list)
+    last_token: int = -1
+    num_generated: int = 0
+    finish: Finish = Finish.NONE
+
+    def tokens_for(self, plan: SeqPlan) -> list[int]:
+        """The tokens this step feeds: the plan's, or the last sampled one (decode overlap)."""
+        if plan.token_ids:
+            return plan.token_ids
+        if self.last_token < 0:
+            raise InvalidRequestError(f"sequence {plan.seq_id}: decode without tokens before any sample")
+        return [self.last_token]
+
+
+class SequenceTable:
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._seqs: dict[int, SeqState] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def admit(self, plan: SeqPlan) -> SeqState:
+        """The state for ``plan.seq_id``, created on its first plan, with ``new_blocks`` appended."""
+        with self._lock:
+            state = self._seqs.get(plan.seq_id)
+            if state is None:
+                if plan.sampling is None:
+                    raise InvalidRequestError(f"sequence {plan.seq_id}: first plan has no sampling params")
+                gen_device = self._device if self._device.type == "cuda" else "cpu"
+                state = SeqState(plan.sampling, make_generator(plan.sampling.seed, gen_device))
+                self._seqs[plan.seq_id] = state
+        state.block_table.extend(plan.new_blocks)
+        return state
+
+    def release(self, seq_ids: list[int]) -> None:
+        with self._lock:
+            for seq_id in seq_ids:
+                self._seqs.pop(seq_id, None)

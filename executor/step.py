@@ -1,0 +1,67 @@
+"""Execute one :class:`Plan` on the model: feed tokens, sample, decide token-level finishes.
+
+A plan whose sequences all feed one token runs as a batched decode; anything else (prefill chunks,
+or resume chunks riding beside decodes) runs as one ragged prefill in which a decode is a chunk of
+one token.  Only sequences with ``sample`` set are sampled.  Stop strings and aborts are the
+orchestrator's business; eos, stop token ids, ``max_tokens`` and the context limit are decided here
+so the decode lane can run ahead without waiting for the orchestrator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
+from agentserve.executor.sampler import Sampler
+from agentserve.executor.sequences import SeqState, SequenceTable
+from agentserve.executor.stopping import finish_reason
+from agentserve.shm.messages import Finish, Plan, SeqPlan, SeqResult
+
+
+class StepExecutor:
+    def __init__(self, runner: ModelRunner, table: SequenceTable, eos_token_ids: Collection[int]) -> None:
+        self.runner = runner
+        self.table = table
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = runner.max_model_len
+
+    def run(self, plan: Plan) -> list[SeqResult]:
+        """Run ``plan``; sequences that already finished (a plan sent ahead) are skipped."""
+        work = [(sp, st) for sp in plan.seqs if (st := self.table.admit(sp)).finish == Finish.NONE]
+        if not work:
+            return []
+        feeds = [st.tokens_for(sp) for sp, st in work]
+        logits = self._forward(work, feeds)
+        return self._sample(work, feeds, logits)
+
+    def _forward(self, work: list[tuple[SeqPlan, SeqState]], feeds: list[list[int]]) -> torch.Tensor:
+        pairs = zip(work, feeds, strict=True)
+        if all(len(f) == 1 for f in feeds):
+            items = [DecodeItem(f[0], sp.start_pos, st.block_table) for (sp, st), f in pairs]
+            return self.runner.decode(items)
+        return self.runner.prefill([PrefillChunk(f, sp.start_pos, st.block_table) for (sp, st), f in pairs])
+
+    def _sample(
+        self, work: list[tuple[SeqPlan, SeqState]], feeds: list[list[int]], logits: torch.Tensor
+    ) -> list[SeqResult]:
+        rows = [i for i, (sp, _) in enumerate(work) if sp.sample]
+        results = [SeqResult(sp.seq_id) for sp, _ in work]
+        if not rows:
+            return results
+        states = [work[i][1] for i in rows]
+        tokens, logprobs = self.sampler.sample(
+            logits[rows], [st.sampling for st in states], [st.generator for st in states]
+        )
+        for i, st, token, logprob in zip(rows, states, tokens, logprobs, strict=True):
+            sp = work[i][0]
+            st.last_token = token
+            st.num_generated += 1
+            seq_len = sp.start_pos + len(feeds[i])
+            st.finish = finish_reason(
+                token, st.num_generated, st.sampling, self.eos_token_ids, seq_len + 1, self.max_model_len
+            )
+            results[i] = SeqResult(sp.seq_id, token, logprob, st.finish)
+        return results
