@@ -1,0 +1,25 @@
+"""Shared lane binding of the GPU backends: a lane is bound by making its stream current."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from agentserve.executor.partition.base import LaneBinding, PartitionBackend
+from agentserve.executor.partition.torch_cuda import TorchCuda
+from agentserve.shm.messages import Lane, Rung
+
+
+class StreamBackend(PartitionBackend):
+    """Subclasses fill ``_streams[rung index][lane]`` with torch streams before ``__init__`` returns."""
+
+    _cuda: TorchCuda
+    _streams: dict[int, dict[Lane, Any]]
+
+    @contextmanager
+    def _bind(self, lane: Lane, rung: Rung) -> Iterator[LaneBinding]:
+        stream = self._streams[rung.index][lane]
+        units = rung.decode_units if lane == Lane.DECODE else rung.prefill_units
+        with self._cuda.use(stream):
+            yield LaneBinding(lane=lane, rung=rung, units=units, stream=stream)

@@ -1,0 +1,55 @@
+"""The few ``torch.cuda`` calls the GPU backends make, behind one small seam that tests replace."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+
+class TorchCuda:
+    """torch.cuda for one device: availability, plain and external streams, stream binding."""
+
+    def __init__(self, device_index: int = 0) -> None:
+        self.index = device_index
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` when CUDA can run here, else why not."""
+        if torch.version.cuda is None:
+            return f"torch {torch.__version__} is a CPU build (torch.version.cuda is None)"
+        if not torch.cuda.is_available():
+            return (
+                f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {torch.version.cuda})"
+            )
+        if self.index >= torch.cuda.device_count():
+            return f"no CUDA device {self.index} (device_count {torch.cuda.device_count()})"
+        return None
+
+    def init(self) -> None:
+        """Make the primary context current on this thread (green contexts retain it)."""
+        torch.cuda.init()
+        torch.cuda.set_device(self.index)
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(self.index)
+
+    def sm_count(self) -> int:
+        return torch.cuda.get_device_properties(self.index).multi_processor_count
+
+    def high_priority(self) -> int:
+        """The highest stream priority (lowest number); 0 if the device has no range."""
+        low, high = torch.cuda.Stream.priority_range()
+        return min(low, high)
+
+    def plain_stream(self, priority: int = 0) -> Any:
+        return torch.cuda.Stream(device=self.index, priority=priority)
+
+    def external_stream(self, handle: Any) -> Any:
+        return torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", self.index))
+
+    def use(self, stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def synchronize(self, stream: Any) -> None:
+        stream.synchronize()
