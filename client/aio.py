@@ -1,0 +1,239 @@
+"""The asyncio client: ``AsyncAgentClient`` → ``AsyncSession`` → ``AsyncTurnStream``.
+
+A reader task owns the receive side and routes events to one queue per request, so any number
+of sessions and turns can stream concurrently from one client in one event loop.
+
+    async with AsyncAgentClient(endpoint) as client:
+        session = await client.session(system="...")
+        async for event in session.turn("Hi!"):
+            ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Unpack
+
+import zmq
+import zmq.asyncio
+
+from agentserve.client.errors import AgentServeError, ProtocolViolation
+from agentserve.client.events import TurnCore, TurnEvent, TurnResult
+from agentserve.client.requests import MessageLike, TurnOptions, open_request
+from agentserve.client.transport import ClientBase, SessionBase
+from agentserve.orchestrator.protocol import (
+    Abort,
+    GetStats,
+    SessionClosed,
+    SessionOpened,
+    StatsReply,
+    Welcome,
+)
+
+log = logging.getLogger("agentserve.client")
+
+_DROPPED = object()  # queued for a waiting request when the connection drops
+
+
+class AsyncAgentClient(ClientBase):
+    """Asyncio twin of :class:`~agentserve.client.AgentClient` (same timeouts, same errors)."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = 10.0,
+        event_timeout: float = 300.0,
+        heartbeat_ms: int = 1000,
+        name: str = "",
+    ) -> None:
+        super().__init__(zmq.asyncio.Context(), endpoint, timeout, event_timeout, heartbeat_ms)
+        self.name = name
+        self._queues: dict[int, asyncio.Queue[Any]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.server: Welcome | None = None
+
+    async def connect(self) -> AsyncAgentClient:
+        """Connect and handshake; raises :class:`ServerUnavailable` if no server answers."""
+        try:
+            self._sock.connect(self.endpoint)
+            self._tasks = [
+                asyncio.create_task(self._read_events()),
+                asyncio.create_task(self._read_monitor()),
+            ]
+            self.server = await self._call(self._hello(self.name), Welcome)
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    # ---- transport ---------------------------------------------------------------------------
+
+    async def _read_events(self) -> None:
+        while True:
+            payload = await self._sock.recv()
+            try:
+                event = self._link.decode(payload)
+            except ProtocolViolation as e:
+                log.warning("%s", e)
+                continue
+            if event is not None and event.req in self._queues:
+                self._queues[event.req].put_nowait(event)
+
+    async def _read_monitor(self) -> None:
+        while True:
+            self._link.on_monitor(await self._mon.recv_multipart())
+            for req, epoch in self._sent_epoch.items():
+                if epoch != self._link.epoch:
+                    self._queues[req].put_nowait(_DROPPED)
+
+    async def _send(self, msg: Any, expect_reply: bool = True) -> None:
+        if not await self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
+            raise self._link.unavailable(self.timeout)
+        if expect_reply:
+            self._queues[msg.req] = asyncio.Queue()
+            self._sent_epoch[msg.req] = self._link.epoch
+        await self._sock.send(self._link.codec.encode(msg))
+
+    async def _recv(self, req: int, timeout: float) -> Any:
+        try:
+            event = await asyncio.wait_for(self._queues[req].get(), timeout)
+        except TimeoutError:
+            raise self._link.silent(timeout, req) from None
+        if event is _DROPPED:
+            self._link.check_epoch(self._sent_epoch[req], req)
+        return event
+
+    def _forget(self, req: int) -> None:
+        self._queues.pop(req, None)
+        self._sent_epoch.pop(req, None)
+
+    async def _call(self, msg: Any, expect: type) -> Any:
+        await self._send(msg)
+        try:
+            event = await self._recv(msg.req, self.timeout)
+        finally:
+            self._forget(msg.req)
+        return self._expect(event, expect, msg.req)
+
+    # ---- API ---------------------------------------------------------------------------------
+
+    async def session(
+        self,
+        system: str = "",
+        tools: Iterable[dict[str, Any]] | None = None,
+        *,
+        name: str = "",
+        parse_tool_calls: bool = True,
+    ) -> AsyncSession:
+        req = open_request(self._next_req(), system, tools, name, parse_tool_calls)
+        return AsyncSession(self, await self._call(req, SessionOpened))
+
+    async def stats(self) -> bytes:
+        return (await self._call(GetStats(self._next_req()), StatsReply)).snapshot
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, AgentServeError):
+                await task
+        self._tasks = []
+        self._close_sockets()
+
+    async def __aenter__(self) -> AsyncAgentClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+class AsyncSession(SessionBase):
+    client: AsyncAgentClient
+
+    def __init__(self, client: AsyncAgentClient, opened: SessionOpened) -> None:
+        super().__init__(client, opened)
+        self._active: AsyncTurnStream | None = None
+
+    def turn(
+        self, messages: str | Iterable[MessageLike] | None = None, **options: Unpack[TurnOptions]
+    ) -> AsyncTurnStream:
+        """Prepare a turn; it is sent when the stream is first iterated or collected.
+
+        An unfinished previous turn of this session is aborted first.
+        """
+        req = self.client._next_req()
+        stream = AsyncTurnStream(self, req, self._state.turn_request(req, messages, **options), self._active)
+        self._active = stream
+        return stream
+
+    async def close(self) -> None:
+        if self._state.closed:
+            return
+        if self._active is not None:
+            await self._active.close()
+        await self.client._call(self._close_request(), SessionClosed)
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, exc_type: Any, *exc: Any) -> None:
+        try:
+            await self.close()
+        except AgentServeError:
+            if exc_type is None:
+                raise
+
+
+class AsyncTurnStream(TurnCore):
+    def __init__(self, session: AsyncSession, req: int, request: Any, prev: AsyncTurnStream | None) -> None:
+        super().__init__(req)
+        self.session = session
+        self._request: Any = request  # None once sent
+        self._prev = prev
+
+    async def _start(self) -> None:
+        if self._request is not None:
+            request, self._request = self._request, None
+            if self._prev is not None:
+                await self._prev.close()
+                self._prev = None
+            await self.session.client._send(request)
+
+    async def __aiter__(self) -> AsyncIterator[TurnEvent]:
+        client = self.session.client
+        await self._start()
+        while not self.finished:
+            try:
+                events = self.accept(await client._recv(self.req, client.event_timeout))
+            except BaseException:
+                self.finished = True
+                raise
+            finally:
+                if self.finished:
+                    client._forget(self.req)
+            for event in events:
+                yield event
+
+    async def collect(self) -> TurnResult:
+        async for _ in self:
+            pass
+        return self.result
+
+    async def abort(self) -> None:
+        if not self.finished and self._request is None:
+            client = self.session.client
+            await client._send(Abort(client._next_req(), self.session.id, self.req), expect_reply=False)
+
+    async def close(self) -> None:
+        if self.finished or self._request is not None:
+            return
+        try:
+            await self.abort()
+            await self.collect()
+        except AgentServeError:
+            self.finished = True
+            self.session.client._forget(self.req)

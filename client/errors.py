@@ -1,0 +1,104 @@
+"""Typed client errors: one class per server error code, plus the client-side failures."""
+
+from __future__ import annotations
+
+from agentserve.orchestrator.protocol import Error, ErrorCode
+
+
+class AgentServeError(Exception):
+    """Base of every error the SDK raises.  ``code`` is the server's error code (if any)."""
+
+    code: ErrorCode | None = None
+
+    def __init__(self, message: str, *, req: int = 0, session: int = 0) -> None:
+        super().__init__(message)
+        self.message = message
+        self.req = req
+        self.session = session
+
+
+class MalformedFrame(AgentServeError):
+    code = ErrorCode.MALFORMED_FRAME
+
+
+class UnknownMessage(AgentServeError):
+    code = ErrorCode.UNKNOWN_MESSAGE
+
+
+class UnsupportedVersion(AgentServeError):
+    code = ErrorCode.UNSUPPORTED_VERSION
+
+
+class InvalidRequest(AgentServeError):
+    code = ErrorCode.INVALID_REQUEST
+
+
+class UnknownSession(AgentServeError):
+    code = ErrorCode.UNKNOWN_SESSION
+
+
+class PromptTooLong(AgentServeError):
+    code = ErrorCode.PROMPT_TOO_LONG
+
+
+class TurnInProgress(AgentServeError):
+    code = ErrorCode.TURN_IN_PROGRESS
+
+
+class InvalidSampling(AgentServeError):
+    code = ErrorCode.INVALID_SAMPLING
+
+
+class TurnAborted(AgentServeError):
+    """The server dropped the turn (a client's own abort ends the turn normally instead)."""
+
+    code = ErrorCode.ABORTED
+
+
+class ExecutorFailed(AgentServeError):
+    code = ErrorCode.EXECUTOR_FAILED
+
+
+class ServerShutdown(AgentServeError):
+    code = ErrorCode.SERVER_SHUTDOWN
+
+
+class InternalError(AgentServeError):
+    code = ErrorCode.INTERNAL
+
+
+class ServerUnavailable(AgentServeError):
+    """No server answered at the endpoint in time (not started, wrong endpoint, or stuck)."""
+
+
+class ServerDisconnected(ServerUnavailable):
+    """The connection to the server dropped while a request was waiting for its answer."""
+
+
+class ProtocolViolation(AgentServeError):
+    """The server sent something this client cannot understand."""
+
+
+_BY_CODE: dict[ErrorCode, type[AgentServeError]] = {
+    cls.code: cls
+    for cls in (
+        MalformedFrame,
+        UnknownMessage,
+        UnsupportedVersion,
+        InvalidRequest,
+        UnknownSession,
+        PromptTooLong,
+        TurnInProgress,
+        InvalidSampling,
+        TurnAborted,
+        ExecutorFailed,
+        ServerShutdown,
+        InternalError,
+    )
+}
+
+
+def from_event(event: Error) -> AgentServeError:
+    """The exception for a server :class:`Error` event."""
+    cls = _BY_CODE.get(event.code, AgentServeError)
+    return cls(f"{event.code.value}: {event.message}", req=event.req, session=event.session)

@@ -1,0 +1,121 @@
+"""What a turn yields to SDK users, and how wire events become those events."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentserve.client.errors import ProtocolViolation, from_event
+from agentserve.orchestrator.protocol import (
+    Error,
+    FinishReason,
+    Timings,
+    TokenEvent,
+    ToolCallEvent,
+    TurnDone,
+    Usage,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenIds:
+    """New token ids; ``t_server``: the server's monotonic clock, ``t_wall``: its wall clock."""
+
+    token_ids: list[int]
+    t_server: float
+    t_wall: float
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    finish: FinishReason
+    usage: Usage
+    timings: Timings
+
+
+TurnEvent = TokenIds | TextDelta | ToolCall | Done
+
+
+def translate(event: Any) -> list[TurnEvent]:
+    """SDK events for one wire event of a turn; raises the typed error for an ``Error`` event."""
+    if isinstance(event, TokenEvent):
+        out: list[TurnEvent] = [TokenIds(event.token_ids, event.t_mono, event.t_wall)]
+        if event.text:
+            out.append(TextDelta(event.text))
+        return out
+    if isinstance(event, ToolCallEvent):
+        return [ToolCall(event.call_id, event.name, dict(event.arguments))]
+    if isinstance(event, TurnDone):
+        return [Done(event.finish, event.usage, event.timings)]
+    if isinstance(event, Error):
+        raise from_event(event)
+    raise ProtocolViolation(f"unexpected {type(event).__name__} in a turn's stream", req=event.req)
+
+
+@dataclass
+class TurnResult:
+    """Everything one turn produced, accumulated from its events."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    done: Done | None = None
+
+    def add(self, event: TurnEvent) -> None:
+        if isinstance(event, TokenIds):
+            self.token_ids.extend(event.token_ids)
+        elif isinstance(event, TextDelta):
+            self.text += event.text
+        elif isinstance(event, ToolCall):
+            self.tool_calls.append(event)
+        else:
+            self.done = event
+
+    @property
+    def finish(self) -> FinishReason | None:
+        return self.done.finish if self.done else None
+
+    @property
+    def usage(self) -> Usage | None:
+        return self.done.usage if self.done else None
+
+    @property
+    def timings(self) -> Timings | None:
+        return self.done.timings if self.done else None
+
+
+class TurnCore:
+    """The transport-free part of a turn's stream: wire events in, SDK events out, result kept."""
+
+    def __init__(self, req: int) -> None:
+        self.req = req
+        self.result = TurnResult()
+        self.finished = False
+
+    def accept(self, wire_event: Any) -> list[TurnEvent]:
+        try:
+            events = translate(wire_event)
+        except BaseException:
+            self.finished = True
+            raise
+        for event in events:
+            self.result.add(event)
+            if isinstance(event, Done):
+                self.finished = True
+        return events

@@ -1,0 +1,100 @@
+"""Request building shared by the sync and asyncio clients (no I/O here)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any, TypedDict
+
+from agentserve.orchestrator.protocol import (
+    PROTOCOL_VERSION,
+    Message,
+    OpenSession,
+    SessionOptions,
+    Turn,
+)
+
+MessageLike = Message | Mapping[str, Any]
+
+
+class TurnOptions(TypedDict, total=False):
+    """Keyword options of ``Session.turn`` (sync and asyncio): the :class:`Turn` fields."""
+
+    token_ids: list[int]  # raw-token mode: appended with no chat template
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: list[str]
+    ignore_eos: bool
+
+
+def to_message(m: MessageLike) -> Message:
+    if isinstance(m, Message):
+        return m
+    return Message(
+        role=str(m["role"]),
+        content=str(m.get("content") or ""),
+        tool_call_id=str(m.get("tool_call_id", "")),
+        name=str(m.get("name", "")),
+    )
+
+
+def open_request(
+    req: int, system: str, tools: Iterable[Mapping[str, Any]] | None, name: str, parse_tool_calls: bool
+) -> OpenSession:
+    return OpenSession(
+        req=req,
+        version=PROTOCOL_VERSION,
+        system=system,
+        tools=[dict(t) for t in tools or ()],
+        options=SessionOptions(name=name, parse_tool_calls=parse_tool_calls),
+    )
+
+
+class SessionState:
+    """Client-side state of one session: its id and the tool results waiting for the next turn."""
+
+    def __init__(self, session_id: int) -> None:
+        self.id = session_id
+        self.pending: list[Message] = []
+        self.closed = False
+
+    def tool_result(self, call_id: str, content: Any, name: str = "") -> None:
+        text = content if isinstance(content, str) else repr(content)
+        self.pending.append(Message(role="tool", content=text, tool_call_id=call_id, name=name))
+
+    def turn_request(
+        self,
+        req: int,
+        messages: str | Iterable[MessageLike] | None = None,
+        *,
+        token_ids: Iterable[int] | None = None,
+        stop: Iterable[str] | None = None,
+        **sampling: Any,
+    ) -> Turn:
+        """A :class:`Turn` carrying the queued tool results, then ``messages`` (a str is a user message)."""
+        if isinstance(messages, str):
+            msgs = [Message(role="user", content=messages)]
+        else:
+            msgs = [to_message(m) for m in messages or ()]
+        turn = Turn(
+            req=req,
+            session=self.id,
+            messages=self.pending + msgs,
+            token_ids=list(token_ids or ()),
+            stop=list(stop or ()),
+            **sampling,
+        )
+        self.pending = []
+        return turn
+
+
+class ReqCounter:
+    def __init__(self) -> None:
+        self._it = itertools.count(1)
+
+    def __call__(self) -> int:
+        return next(self._it)

@@ -1,0 +1,135 @@
+"""Socket set-up and connection tracking shared by the sync and asyncio clients.
+
+A client is one DEALER socket.  ``IMMEDIATE`` keeps requests from queueing while no server is
+connected (a send then times out with a clear error instead of waiting forever), ZMTP heartbeats
+drop the connection to a server that stopped answering, and a socket monitor turns connection
+drops into :class:`ServerDisconnected` for every request still waiting.  Empty frames from the
+server are liveness probes and are dropped here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from agentserve.client.errors import ProtocolViolation, ServerDisconnected, ServerUnavailable, from_event
+from agentserve.client.requests import ReqCounter, SessionState
+from agentserve.orchestrator.endpoints import default_endpoint
+from agentserve.orchestrator.protocol import (
+    PROTOCOL_VERSION,
+    ClientCodec,
+    CloseSession,
+    Error,
+    Hello,
+    ProtocolError,
+    SessionOpened,
+)
+
+MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+def make_socket(ctx: zmq.Context, endpoint: str | None, heartbeat_ms: int = 1000) -> tuple[zmq.Socket, str]:
+    endpoint = endpoint or default_endpoint()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * heartbeat_ms)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    return sock, endpoint
+
+
+class Link:
+    """Connection epoch bookkeeping: a request sent in an older epoch lost its server."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.epoch = 0
+        self.codec = ClientCodec()
+
+    def on_monitor(self, frames: list[bytes]) -> None:
+        if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+            self.epoch += 1
+
+    def decode(self, payload: bytes):  # -> ServerEvent | None
+        if not payload:
+            return None
+        try:
+            return self.codec.decode(payload)
+        except ProtocolError as e:
+            raise ProtocolViolation(f"undecodable event from the server: {e}") from None
+
+    def check_epoch(self, sent_epoch: int, req: int) -> None:
+        if self.epoch != sent_epoch:
+            raise ServerDisconnected(
+                f"the connection to the server at {self.endpoint} dropped before request {req} was answered",
+                req=req,
+            )
+
+    def unavailable(self, timeout: float) -> ServerUnavailable:
+        return ServerUnavailable(
+            f"no AgentServe server answered at {self.endpoint} within {timeout:g} s "
+            "(is `agentserve up` running with this endpoint?)"
+        )
+
+    def silent(self, timeout: float, req: int) -> ServerUnavailable:
+        return ServerUnavailable(
+            f"the server at {self.endpoint} sent nothing for request {req} in {timeout:g} s", req=req
+        )
+
+
+class ClientBase:
+    """State and helpers shared by the sync and asyncio clients (the I/O differs, nothing else)."""
+
+    def __init__(
+        self, ctx: zmq.Context, endpoint: str | None, timeout: float, event_timeout: float, heartbeat_ms: int
+    ) -> None:
+        self.timeout = timeout
+        self.event_timeout = event_timeout
+        self._ctx = ctx
+        self._sock, self.endpoint = make_socket(ctx, endpoint, heartbeat_ms)
+        self._mon = self._sock.get_monitor_socket(MONITOR_EVENTS)
+        self._link = Link(self.endpoint)
+        self._sent_epoch: dict[int, int] = {}
+        self._next_req = ReqCounter()
+
+    def _hello(self, name: str) -> Hello:
+        return Hello(self._next_req(), PROTOCOL_VERSION, name)
+
+    @staticmethod
+    def _expect(event: Any, expect: type, req: int) -> Any:
+        if isinstance(event, Error):
+            raise from_event(event)
+        if not isinstance(event, expect):
+            raise ProtocolViolation(f"expected {expect.__name__}, got {type(event).__name__}", req=req)
+        return event
+
+    def _close_sockets(self) -> None:
+        if not self._sock.closed:
+            self._sock.disable_monitor()
+            self._mon.close(linger=0)
+            self._sock.close(linger=0)
+            self._ctx.term()
+
+
+class SessionBase:
+    """What a session is on the client side, independent of the transport."""
+
+    def __init__(self, client: Any, opened: SessionOpened) -> None:
+        self.client = client
+        self.id = opened.session
+        self.prompt_tokens = opened.prompt_tokens
+        self._state = SessionState(opened.session)
+
+    def tool_result(self, call_id: str, content: Any, name: str = "") -> None:
+        """Queue a tool's output; it is sent as a ``tool`` message with the next turn."""
+        self._state.tool_result(call_id, content, name)
+
+    def _close_request(self) -> CloseSession:
+        self._state.closed = True
+        return CloseSession(self.client._next_req(), self.id)

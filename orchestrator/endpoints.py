@@ -1,0 +1,68 @@
+"""Endpoint strings for the client ingress: defaults, loopback rule, ipc socket files."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tempfile
+from pathlib import Path
+
+IPC_PREFIX = "ipc://"
+TCP_PREFIX = "tcp://"
+
+
+class EndpointError(ValueError):
+    """An endpoint string that AgentServe will not bind."""
+
+
+def runtime_dir() -> Path:
+    """Where ipc socket files go: ``$XDG_RUNTIME_DIR`` if usable, else the temp dir."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+        return Path(xdg)
+    return Path(tempfile.gettempdir())
+
+
+def default_endpoint(run: str = "default") -> str:
+    return f"{IPC_PREFIX}{runtime_dir() / f'agentserve-{run}.sock'}"
+
+
+def ipc_path(endpoint: str) -> Path | None:
+    """The socket file of an ``ipc://`` endpoint, else None."""
+    return Path(endpoint[len(IPC_PREFIX) :]) if endpoint.startswith(IPC_PREFIX) else None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # an interface name or a hostname: treat as exposed
+
+
+def check_bind(endpoint: str, *, allow_remote: bool = False) -> str:
+    """Validate an endpoint for binding; return it normalised.
+
+    ``ipc://PATH`` (absolute path) and ``tcp://<loopback>:PORT`` are always fine.  Any other TCP
+    host (``0.0.0.0``, a LAN address, ``*``) exposes an unauthenticated server and needs
+    ``allow_remote=True`` (``agentserve up --allow-remote``).
+    """
+    if endpoint.startswith(IPC_PREFIX):
+        path = ipc_path(endpoint)
+        if path is None or not path.is_absolute():
+            raise EndpointError(f"ipc endpoint needs an absolute path: {endpoint!r}")
+        if len(str(path).encode()) > 100:
+            raise EndpointError(f"ipc socket path too long for the OS (max ~100 bytes): {path}")
+        return endpoint
+    if endpoint.startswith(TCP_PREFIX):
+        host, sep, port = endpoint[len(TCP_PREFIX) :].rpartition(":")
+        if not sep or not (port.isdigit() or port == "*") or not host:
+            raise EndpointError(f"tcp endpoint must be tcp://HOST:PORT (PORT may be *), got {endpoint!r}")
+        if not _is_loopback(host) and not allow_remote:
+            raise EndpointError(
+                f"refusing to bind {endpoint!r}: it is not a loopback address and the protocol has no "
+                "authentication; use ipc://PATH or tcp://127.0.0.1:PORT, or pass --allow-remote"
+            )
+        return endpoint
+    raise EndpointError(f"endpoint must start with ipc:// or tcp://, got {endpoint!r}")

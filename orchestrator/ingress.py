@@ -1,0 +1,241 @@
+"""The client ingress: one ZeroMQ ROUTER socket, polled from the orchestrator loop.
+
+``poll(timeout_ms)`` returns decoded, validated requests as ``(client_id, message)`` pairs, and
+``(client_id, ClientGone(...))`` once for every client that went away.  Bad input never reaches
+the caller: the ingress answers it with a typed :class:`~agentserve.orchestrator.protocol.Error`
+and keeps running.  ``Hello`` is answered here too (from ``info``).  ``send(client_id, event)``
+streams events back; it never blocks.
+
+Disconnect detection (robust without client cooperation): the ROUTER runs ZMTP heartbeats
+(libzmq's I/O thread pings every peer and drops a connection whose peer stops answering, e.g. a
+stopped or unplugged process; a killed process closes its socket at once), and the socket is
+``ROUTER_MANDATORY``, so sending to a client whose connection is gone fails with
+``EHOSTUNREACH``.  Every event send is therefore a liveness check, and while a client is quiet
+the ingress sends it an empty probe frame every ``probe_interval_s``.  Clients need no thread
+and no heartbeat code of their own; a client busy running a tool for minutes stays connected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+from agentserve.orchestrator.endpoints import EndpointError, check_bind, default_endpoint, ipc_path
+from agentserve.orchestrator.protocol import (
+    PROTOCOL_VERSION,
+    ClientMessage,
+    Error,
+    ErrorCode,
+    Hello,
+    ProtocolError,
+    ServerCodec,
+    ServerEvent,
+    Welcome,
+    validate,
+)
+
+log = logging.getLogger("agentserve.ingress")
+
+
+class ClientGone(msgspec.Struct, frozen=True):
+    """Not a wire message: the ingress reports that a client's connection is gone."""
+
+    reason: str = "disconnected"
+
+
+Request = ClientMessage | ClientGone
+
+
+def _refuse_live_ipc(path: str) -> None:
+    """libzmq silently replaces an existing ipc socket file: refuse if a server listens there."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # a stale file from a dead run
+        return
+    finally:
+        probe.close()
+    raise EndpointError(f"another server is already listening on ipc://{path}")
+
+
+class Ingress:
+    """A ROUTER socket speaking the AgentServe wire protocol.  Not thread-safe: one owner loop."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        info: Welcome | None = None,
+        allow_remote: bool = False,
+        probe_interval_s: float = 1.0,
+        heartbeat_ms: int = 1000,
+        heartbeat_timeout_ms: int = 3000,
+        context: zmq.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        endpoint = check_bind(endpoint or default_endpoint(), allow_remote=allow_remote)
+        self.info = info or Welcome(req=0, version=0)
+        self.probe_interval_s = probe_interval_s
+        self.counters: Counter[str] = Counter()
+        self._clock = clock
+        self._codec = ServerCodec()
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._clients: dict[bytes, float] = {}  # client id → last time we heard from / reached it
+        self._gone: list[tuple[bytes, Request]] = []
+        self._next_probe = clock() + probe_interval_s
+        self._ipc_file: str | None = None
+        self.socket = self._bind(endpoint, heartbeat_ms, heartbeat_timeout_ms)
+        log.info("ingress listening on %s", self.endpoint)
+
+    def _bind(self, endpoint: str, heartbeat_ms: int, heartbeat_timeout_ms: int) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow reader: turns are bounded
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout_ms)
+        path = ipc_path(endpoint)
+        try:
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _refuse_live_ipc(str(path))
+            sock.bind(endpoint)
+        except (zmq.ZMQError, EndpointError) as e:
+            sock.close(linger=0)
+            if self._own_ctx:
+                self._ctx.term()
+            raise EndpointError(f"cannot bind {endpoint}: {e}") from None
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) if path is None else endpoint
+        self._ipc_file = str(path) if path is not None else None
+        return sock
+
+    # ---- receiving ---------------------------------------------------------------------------
+
+    def poll(self, timeout_ms: int = 0, max_messages: int = 256) -> list[tuple[bytes, Request]]:
+        """Wait up to ``timeout_ms`` for input; return what arrived (at most ``max_messages``)."""
+        out, self._gone = self._gone, []
+        if out:
+            timeout_ms = 0
+        if self.socket.poll(timeout_ms, zmq.POLLIN):
+            for _ in range(max_messages):
+                try:
+                    frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                item = self._handle(frames)
+                if item is not None:
+                    out.append(item)
+        self._probe()
+        out.extend(self._gone)
+        self._gone = []
+        return out
+
+    def _handle(self, frames: list[bytes]) -> tuple[bytes, Request] | None:
+        cid = frames[0]
+        self._clients[cid] = self._clock()
+        self.counters["frames"] += 1
+        if len(frames) != 2:
+            err = ProtocolError(ErrorCode.MALFORMED_FRAME, f"expected 1 frame, got {len(frames) - 1}")
+            self._reject(cid, err)
+            return None
+        if not frames[1]:
+            return None  # an empty frame: a client keepalive, nothing to do
+        try:
+            msg = self._codec.decode(frames[1])
+            validate(msg)
+        except ProtocolError as e:
+            self._reject(cid, e)
+            return None
+        if isinstance(msg, Hello):
+            self.send(cid, msgspec.structs.replace(self.info, req=msg.req, version=PROTOCOL_VERSION))
+            return None
+        return cid, msg
+
+    def _reject(self, cid: bytes, err: ProtocolError) -> None:
+        self.counters[f"error.{err.code.value}"] += 1
+        log.debug("rejected a frame from %s: %s %s", cid.hex(), err.code.value, err)
+        self.send(cid, err.to_event())
+
+    # ---- sending -----------------------------------------------------------------------------
+
+    def send(self, client_id: bytes, event: ServerEvent) -> bool:
+        """Send one event; False (and a ClientGone on the next poll) if the client is gone."""
+        return self._send_raw(client_id, self._codec.encode(event))
+
+    def send_error(
+        self, client_id: bytes, code: ErrorCode, message: str, req: int = 0, session: int = 0
+    ) -> bool:
+        self.counters[f"error.{ErrorCode(code).value}"] += 1
+        return self.send(client_id, Error(req=req, code=code, message=message, session=session))
+
+    def _send_raw(self, cid: bytes, payload: bytes) -> bool:
+        try:
+            self.socket.send_multipart([cid, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno == errno.EHOSTUNREACH:
+                self._mark_gone(cid)
+                return False
+            if e.errno == errno.EAGAIN:
+                return True  # alive but not reading; cannot happen with SNDHWM=0
+            raise
+        if cid in self._clients:
+            self._clients[cid] = self._clock()
+        return True
+
+    def _mark_gone(self, cid: bytes) -> None:
+        if self._clients.pop(cid, None) is not None:  # report each known client once
+            self.counters["clients_gone"] += 1
+            log.info("client %s disconnected", cid.hex())
+            self._gone.append((cid, ClientGone()))
+
+    def _probe(self) -> None:
+        now = self._clock()
+        if now < self._next_probe:
+            return
+        self._next_probe = now + self.probe_interval_s
+        for cid, seen in list(self._clients.items()):
+            if now - seen >= self.probe_interval_s:
+                self._send_raw(cid, b"")
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def clients(self) -> set[bytes]:
+        """Client ids the ingress has heard from and not yet reported gone."""
+        return set(self._clients)
+
+    def forget(self, client_id: bytes) -> None:
+        """Stop probing a client (e.g. it closed all its sessions)."""
+        self._clients.pop(client_id, None)
+
+    def close(self) -> None:
+        """Close the socket; remove the ipc socket file.  Idempotent."""
+        if self.socket.closed:
+            return
+        self.socket.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+        if self._ipc_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ipc_file)
+        log.info("ingress on %s closed", self.endpoint)
+
+    def __enter__(self) -> Ingress:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

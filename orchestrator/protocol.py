@@ -1,0 +1,333 @@
+"""The client wire protocol: what agent clients and the ingress exchange over ZeroMQ.
+
+Framing: a client uses a DEALER socket and sends one frame per message; the server's ROUTER
+sees ``[client_id, payload]`` and answers ``[client_id, payload]``.  ``payload`` is a msgpack
+array whose first element is the message tag (tagged ``msgspec.Struct``, ``array_like``).  An
+empty payload from the server is a liveness probe and carries nothing: clients drop it.
+
+Every client request carries ``req``, a number the client picks (unique per connection); every
+server event names the ``req`` it answers.  The events of a turn all carry the ``req`` of the
+:class:`Turn`.  A turn's stream ends with exactly one :class:`TurnDone` or :class:`Error`.
+
+Client → server: :class:`Hello` (version handshake, optional), :class:`OpenSession`,
+:class:`Turn`, :class:`Abort`, :class:`CloseSession`, :class:`GetStats`.
+Server → client: :class:`Welcome`, :class:`SessionOpened`, :class:`TokenEvent`,
+:class:`ToolCallEvent`, :class:`TurnDone`, :class:`SessionClosed`, :class:`StatsReply`,
+:class:`Error`.
+
+Tool results are not a message of their own: they are ``Message(role="tool", ...)`` entries in
+the next :class:`Turn`, which is what starts the resume prefill anyway.  A session keeps its
+conversation on the server: a turn sends only what is new since the last turn (the model's
+own reply is already in the context).  A turn with ``token_ids`` appends those tokens raw, with
+no chat template (benchmarks); a turn gives ``messages`` or ``token_ids``, never both.
+
+Versioning: ``PROTOCOL_VERSION`` is carried by :class:`Hello` and :class:`OpenSession`; a server
+answers any other version with ``Error(code=UNSUPPORTED_VERSION)``.  New fields are only ever
+added at the end with a default, so a version bump means an incompatible change.
+
+This module must stay free of torch: the client SDK and the orchestrator import it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+from agentserve.shm.messages import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ErrorCode(enum.StrEnum):
+    MALFORMED_FRAME = "malformed_frame"  # not a decodable message of a known shape
+    UNKNOWN_MESSAGE = "unknown_message"  # a well-formed array whose tag is not a request
+    UNSUPPORTED_VERSION = "unsupported_version"
+    INVALID_REQUEST = "invalid_request"  # decodable but meaningless (bad role, empty turn, ...)
+    UNKNOWN_SESSION = "unknown_session"  # never opened, closed, or opened by another client
+    PROMPT_TOO_LONG = "prompt_too_long"  # the session's context would exceed max_model_len
+    TURN_IN_PROGRESS = "turn_in_progress"  # a session runs one turn at a time
+    INVALID_SAMPLING = "invalid_sampling"
+    ABORTED = "aborted"  # the server dropped the turn (the client's own Abort ends in TurnDone)
+    EXECUTOR_FAILED = "executor_failed"
+    SERVER_SHUTDOWN = "server_shutdown"
+    INTERNAL = "internal"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    TOOL_CALLS = "tool_calls"  # the model emitted tool calls and stopped
+    ABORT = "abort"  # the client aborted the turn
+
+
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+# ---- payload pieces -------------------------------------------------------------------------
+
+
+class Message(_Wire):
+    """One chat message.  ``tool_call_id`` links a ``tool`` message to the call it answers."""
+
+    role: str
+    content: str
+    tool_call_id: str = ""
+    name: str = ""
+
+
+class SessionOptions(_Wire, frozen=True):
+    name: str = ""  # a label shown by `agentserve top`
+    parse_tool_calls: bool = True  # turn the model's tool-call markup into ToolCallEvents
+
+
+class Usage(_Wire, frozen=True):
+    prompt_tokens: int = 0  # tokens this turn prefilled, cached ones included
+    cached_tokens: int = 0  # of those, tokens served from the KV cache
+    completion_tokens: int = 0
+
+
+class Timings(_Wire, frozen=True):
+    queue_ms: float = 0.0  # arrival → first scheduled
+    ttft_ms: float = 0.0  # arrival → first token
+    tpot_ms: float = 0.0  # (e2e − ttft) / (completion_tokens − 1)
+    e2e_ms: float = 0.0  # arrival → done
+
+
+# ---- client → server ------------------------------------------------------------------------
+
+
+class Hello(_Wire, tag="hello"):
+    req: int
+    version: int
+    client: str = ""
+
+
+class OpenSession(_Wire, tag="open"):
+    req: int
+    version: int
+    system: str = ""
+    tools: list[dict[str, Any]] = []  # JSON schemas, OpenAI function-tool shape
+    options: SessionOptions = SessionOptions()
+
+
+class Turn(_Wire, tag="turn"):
+    req: int
+    session: int
+    messages: list[Message] = []
+    token_ids: list[int] = []
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    ignore_eos: bool = False
+
+    def sampling_params(self, stop_token_ids: list[int] | None = None) -> SamplingParams:
+        """The ring's sampling parameters for this turn (not yet validated)."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=self.seed,
+            max_tokens=self.max_tokens,
+            stop_token_ids=list(stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class Abort(_Wire, tag="abort"):
+    """Abort the session's running turn; ``turn`` (its ``req``) guards against a late abort."""
+
+    req: int
+    session: int
+    turn: int = 0
+
+
+class CloseSession(_Wire, tag="close"):
+    req: int
+    session: int
+
+
+class GetStats(_Wire, tag="stats"):
+    req: int
+
+
+# ---- server → client ------------------------------------------------------------------------
+
+
+class Welcome(_Wire, tag="welcome"):
+    req: int
+    version: int
+    server: str = ""  # agentserve version
+    model: str = ""
+    max_model_len: int = 0
+    run: str = ""  # the run name: `agentserve top --run` attaches its stats board
+    pid: int = 0
+
+
+class SessionOpened(_Wire, tag="opened"):
+    req: int
+    session: int
+    prompt_tokens: int = 0  # system prompt + tool schemas, templated
+
+
+class TokenEvent(_Wire, tag="tok"):
+    """New tokens of a turn.  ``text`` is the detokenized delta (may be empty mid-character).
+
+    ``t_mono`` is the server's ``time.monotonic()``, ``t_wall`` its ``time.time()``.
+    """
+
+    req: int
+    session: int
+    token_ids: list[int]
+    text: str = ""
+    t_mono: float = 0.0
+    t_wall: float = 0.0
+
+
+class ToolCallEvent(_Wire, tag="tool_call"):
+    """A parsed tool call (Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``)."""
+
+    req: int
+    session: int
+    call_id: str
+    name: str
+    arguments: dict[str, Any] = {}
+    t_mono: float = 0.0
+    t_wall: float = 0.0
+
+
+class TurnDone(_Wire, tag="done"):
+    req: int
+    session: int
+    finish: FinishReason
+    usage: Usage = Usage()
+    timings: Timings = Timings()
+    t_mono: float = 0.0
+    t_wall: float = 0.0
+
+
+class SessionClosed(_Wire, tag="closed"):
+    req: int
+    session: int
+
+
+class StatsReply(_Wire, tag="stats_reply"):
+    req: int
+    snapshot: bytes  # an encoded agentserve.orchestrator.stats_schema.Snapshot
+
+
+class Error(_Wire, tag="error"):
+    """``req`` is 0 when the request could not be decoded far enough to know it."""
+
+    req: int
+    code: ErrorCode
+    message: str
+    session: int = 0
+
+
+ClientMessage = Hello | OpenSession | Turn | Abort | CloseSession | GetStats
+ServerEvent = (
+    Welcome | SessionOpened | TokenEvent | ToolCallEvent | TurnDone | SessionClosed | StatsReply | Error
+)
+
+CLIENT_TAGS = frozenset(t.__struct_config__.tag for t in ClientMessage.__args__)
+SERVER_TAGS = frozenset(t.__struct_config__.tag for t in ServerEvent.__args__)
+
+
+class ProtocolError(ValueError):
+    """A payload that is not a valid message; ``code`` says which kind of invalid."""
+
+    def __init__(self, code: ErrorCode, message: str, req: int = 0, session: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.req = req
+        self.session = session
+
+    def to_event(self) -> Error:
+        return Error(req=self.req, code=self.code, message=str(self), session=self.session)
+
+
+def _diagnose(data: bytes, tags: frozenset[str], err: Exception) -> ProtocolError:
+    """Why a payload failed typed decoding: malformed, unknown tag, or a bad field."""
+    try:
+        obj = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return ProtocolError(ErrorCode.MALFORMED_FRAME, f"payload is not msgpack ({len(data)} bytes)")
+    if not isinstance(obj, list) or not obj or not isinstance(obj[0], str):
+        return ProtocolError(ErrorCode.MALFORMED_FRAME, "payload must be a msgpack array [tag, ...]")
+    if obj[0] not in tags:
+        return ProtocolError(ErrorCode.UNKNOWN_MESSAGE, f"unknown message type {obj[0]!r}")
+    req = obj[1] if len(obj) > 1 and isinstance(obj[1], int) and not isinstance(obj[1], bool) else 0
+    return ProtocolError(ErrorCode.MALFORMED_FRAME, f"bad {obj[0]!r} message: {err}", req=req)
+
+
+class _Codec:
+    def __init__(self, union: Any, tags: frozenset[str]) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(union)
+        self._tags = tags
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, data: bytes | memoryview) -> Any:
+        """Decode one payload, or raise :class:`ProtocolError` with the right code."""
+        try:
+            return self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise _diagnose(bytes(data), self._tags, e) from None
+
+
+class ClientCodec(_Codec):
+    """What a client uses: encodes requests, decodes server events."""
+
+    def __init__(self) -> None:
+        super().__init__(ServerEvent, SERVER_TAGS)
+
+
+class ServerCodec(_Codec):
+    """What the ingress uses: decodes requests, encodes server events."""
+
+    def __init__(self) -> None:
+        super().__init__(ClientMessage, CLIENT_TAGS)
+
+
+def validate(msg: Any) -> None:
+    """Check what a decoder cannot: versions, roles, turn shape, sampling.  Raise ProtocolError."""
+    if isinstance(msg, Hello | OpenSession) and msg.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"protocol version {msg.version} is not supported (server speaks {PROTOCOL_VERSION})",
+            req=msg.req,
+        )
+    if isinstance(msg, Turn):
+        _validate_turn(msg)
+
+
+def _validate_turn(turn: Turn) -> None:
+    def bad(code: ErrorCode, text: str) -> ProtocolError:
+        return ProtocolError(code, text, req=turn.req, session=turn.session)
+
+    if turn.messages and turn.token_ids:
+        raise bad(ErrorCode.INVALID_REQUEST, "a turn gives messages or token_ids, not both")
+    if not turn.messages and not turn.token_ids:
+        raise bad(ErrorCode.INVALID_REQUEST, "a turn needs messages or token_ids")
+    for m in turn.messages:
+        if m.role not in ROLES:
+            raise bad(ErrorCode.INVALID_REQUEST, f"unknown role {m.role!r} (expected one of {ROLES})")
+    if any(t < 0 for t in turn.token_ids):
+        raise bad(ErrorCode.INVALID_REQUEST, "token ids must be >= 0")
+    if any(not s for s in turn.stop):
+        raise bad(ErrorCode.INVALID_SAMPLING, "stop strings must not be empty")
+    try:
+        turn.sampling_params().validate()
+    except ValueError as e:
+        raise bad(ErrorCode.INVALID_SAMPLING, str(e)) from None

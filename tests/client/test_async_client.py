@@ -1,0 +1,107 @@
+"""The asyncio SDK against the echo server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from agent_fake_server import EchoServer
+
+from agentserve.client import (
+    AsyncAgentClient,
+    InvalidSampling,
+    ServerDisconnected,
+    ServerUnavailable,
+    TextDelta,
+    TokenIds,
+)
+from agentserve.orchestrator.protocol import FinishReason
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_streams_text_and_token_ids(server):
+    async def main():
+        async with AsyncAgentClient(server.endpoint) as client:
+            assert client.server.model == "echo"
+            async with await client.session(system="s") as s:
+                return [e async for e in s.turn("héllo")]
+
+    events = run(main())
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    ids = [t for e in events if isinstance(e, TokenIds) for t in e.token_ids]
+    assert ids == list("héllo".encode())
+    assert len(text) == len(ids)  # the echo engine detokenizes byte-wise
+    assert events[-1].finish is FinishReason.STOP
+
+
+def test_many_concurrent_agents_on_one_client(server):
+    async def agent(client, i):
+        async with await client.session(name=f"agent-{i}") as s:
+            first = await s.turn("CALL 1+1").collect()
+            (call,) = first.tool_calls
+            s.tool_result(call.id, f"result-{i}")
+            second = await s.turn().collect()
+            raw = await s.turn(token_ids=[i + 1], ignore_eos=True, max_tokens=3).collect()
+            return first.finish, second.text, raw.token_ids
+
+    async def main():
+        async with AsyncAgentClient(server.endpoint) as client:
+            return await asyncio.gather(*(agent(client, i) for i in range(6)))
+
+    results = run(main())
+    for i, (finish, text, raw) in enumerate(results):
+        assert finish is FinishReason.TOOL_CALLS
+        assert text == f"result-{i}"
+        assert raw == [i + 1] * 3
+
+
+def test_typed_error_then_recovery(server):
+    async def main():
+        async with AsyncAgentClient(server.endpoint) as client:
+            s = await client.session()
+            with pytest.raises(InvalidSampling, match="top_k"):
+                await s.turn("x", top_k=-1).collect()
+            return (await s.turn("ok").collect()).text
+
+    assert run(main()) == "ok"
+
+
+def test_abort(slow_server):
+    async def main():
+        async with AsyncAgentClient(slow_server.endpoint) as client:
+            s = await client.session()
+            stream = s.turn("q" * 300)
+            n = 0
+            async for _ in stream:
+                n += 1
+                if n == 2:
+                    await stream.abort()
+            return stream.result
+
+    res = run(main())
+    assert res.finish is FinishReason.ABORT and len(res.token_ids) < 300
+
+
+def test_no_server(tmp_path):
+    async def main():
+        await AsyncAgentClient(f"ipc://{tmp_path}/none.sock", timeout=0.3).connect()
+
+    with pytest.raises(ServerUnavailable):
+        run(main())
+
+
+def test_server_death_mid_stream(endpoint):
+    srv = EchoServer(endpoint, token_delay_s=0.02).__enter__()
+
+    async def main():
+        async with AsyncAgentClient(endpoint) as client:
+            s = await client.session()
+            stream = s.turn("w" * 500)
+            async for _ in stream:
+                srv.stop()
+
+    with pytest.raises(ServerDisconnected):
+        run(main())

@@ -1,0 +1,181 @@
+"""The sync SDK against the echo server (real Ingress, real ZMQ sockets on ipc:// paths)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from agent_fake_server import EchoServer
+
+from agentserve.client import (
+    AgentClient,
+    Done,
+    InvalidRequest,
+    InvalidSampling,
+    PromptTooLong,
+    ServerDisconnected,
+    ServerUnavailable,
+    TextDelta,
+    TokenIds,
+    ToolCall,
+    TurnInProgress,
+    UnknownSession,
+)
+from agentserve.orchestrator.protocol import FinishReason
+from agentserve.orchestrator.stats_schema import decode_snapshot
+
+
+def test_handshake_reports_server_info(server):
+    with AgentClient(server.endpoint) as client:
+        assert client.server.model == "echo"
+        assert client.server.run == "fake-run"
+        assert client.server.version == 1
+
+
+def test_text_turn_streams_deltas_token_ids_and_done(server):
+    with AgentClient(server.endpoint) as client, client.session(system="be brief", name="a") as s:
+        assert s.prompt_tokens == len(b"be brief")
+        events = list(s.turn("hello"))
+    ids = [t for e in events if isinstance(e, TokenIds) for t in e.token_ids]
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert ids == list(b"hello") and text == "hello"
+    done = events[-1]
+    assert isinstance(done, Done) and done.finish is FinishReason.STOP
+    assert done.usage.completion_tokens == 5
+    assert done.usage.prompt_tokens == 5 and done.usage.cached_tokens == len(b"be brief")
+    assert done.timings.e2e_ms >= done.timings.ttft_ms > 0
+    assert all(e.t_wall > 0 for e in events if isinstance(e, TokenIds))
+
+
+def test_raw_token_mode_with_ignore_eos_runs_to_max_tokens(server):
+    with AgentClient(server.endpoint) as client, client.session() as s:
+        res = s.turn(token_ids=[7, 8, 9], ignore_eos=True, max_tokens=8).collect()
+    assert res.token_ids == [7, 8, 9, 7, 8, 9, 7, 8]
+    assert res.finish is FinishReason.LENGTH
+
+
+def test_tool_call_then_tool_result_goes_out_with_the_next_turn(server):
+    with AgentClient(server.endpoint) as client, client.session(tools=[{"type": "function"}]) as s:
+        first = s.turn("CALL 2+3").collect()
+        assert first.finish is FinishReason.TOOL_CALLS
+        (call,) = first.tool_calls
+        assert isinstance(call, ToolCall) and call.name == "calc" and call.arguments == {"expr": "2+3"}
+        s.tool_result(call.id, "5")
+        second = s.turn().collect()
+    assert second.text == "5"
+    sent = server.turn_requests[-1]
+    assert [(m.role, m.content, m.tool_call_id) for m in sent.messages] == [("tool", "5", call.id)]
+    assert second.usage.cached_tokens > first.usage.cached_tokens  # the context grew on the server
+
+
+def test_interleaved_sessions_on_one_client_get_their_own_events(server):
+    with AgentClient(server.endpoint) as client:
+        a, b = client.session(), client.session()
+        sa, sb = a.turn("aaaa"), b.turn("bbbbbbbb")
+        assert sb.collect().text == "bbbbbbbb"
+        assert sa.collect().text == "aaaa"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"temperature": -1.0}, InvalidSampling),
+        ({"top_p": 0.0}, InvalidSampling),
+        ({"max_tokens": 0}, InvalidSampling),
+        ({"stop": [""]}, InvalidSampling),
+        ({"token_ids": [1, 2]}, InvalidRequest),  # and messages: both given
+        ({"max_tokens": 100_000}, PromptTooLong),
+    ],
+)
+def test_bad_turns_raise_typed_errors_and_the_session_still_works(server, kwargs, error):
+    with AgentClient(server.endpoint) as client, client.session() as s:
+        with pytest.raises(error):
+            s.turn("hi", **kwargs).collect()
+        assert s.turn("ok").collect().text == "ok"
+
+
+def test_second_turn_while_one_runs_is_turn_in_progress(slow_server):
+    with AgentClient(slow_server.endpoint) as client:
+        s = client.session()
+        running = s.turn("x" * 40)
+        next(iter(running))
+        # bypass Session.turn (it would abort the running turn first): send a raw second turn
+        req = client._next_req()
+        client._send(s._state.turn_request(req, "again"))
+        from agentserve.client.sync import TurnStream
+
+        with pytest.raises(TurnInProgress):
+            TurnStream(s, req).collect()
+        assert running.collect().text == "x" * 40
+
+
+def test_unknown_and_foreign_sessions_are_rejected(server):
+    with AgentClient(server.endpoint) as owner, AgentClient(server.endpoint) as other:
+        s = owner.session()
+        foreign = other.session()
+        foreign.id = s.id  # another connection's session id
+        foreign._state.id = s.id
+        with pytest.raises(UnknownSession):
+            foreign.turn("steal").collect()
+        assert s.turn("mine").collect().text == "mine"
+
+
+def test_abort_ends_the_stream_with_finish_abort(slow_server):
+    with AgentClient(slow_server.endpoint) as client, client.session() as s:
+        stream = s.turn("y" * 200)
+        got = []
+        for ev in stream:
+            got.append(ev)
+            if len(got) == 3:
+                stream.abort()
+        assert stream.result.finish is FinishReason.ABORT
+        assert 0 < len(stream.result.token_ids) < 200
+        assert s.turn("next").collect().text == "next"
+
+
+def test_breaking_out_then_starting_a_new_turn_aborts_the_old_one(slow_server):
+    with AgentClient(slow_server.endpoint) as client, client.session() as s:
+        for _ in s.turn("z" * 200):
+            break
+        assert s.turn("fresh").collect().text == "fresh"
+
+
+def test_stats_round_trip(server):
+    with AgentClient(server.endpoint) as client:
+        client.session(name="agent-7")
+        snap = decode_snapshot(client.stats())
+    assert [r.name for r in snap.sessions] == ["agent-7"]
+
+
+def test_no_server_is_a_clear_error_not_a_hang(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnavailable, match="no AgentServe server answered"):
+        AgentClient(f"ipc://{tmp_path}/nobody.sock", timeout=0.5)
+    assert time.monotonic() - t0 < 5
+
+
+def test_server_death_mid_stream_raises_server_disconnected(endpoint):
+    srv = EchoServer(endpoint, token_delay_s=0.02).__enter__()
+    with AgentClient(endpoint) as client:
+        s = client.session()
+        stream = s.turn("w" * 500)
+        it = iter(stream)
+        next(it)
+        srv.stop()
+        with pytest.raises(ServerDisconnected):
+            for _ in it:
+                pass
+        assert stream.finished
+
+
+def test_client_disconnect_aborts_its_turns_on_the_server(slow_server):
+    client = AgentClient(slow_server.endpoint)
+    s = client.session()
+    stream = s.turn("v" * 500)
+    next(iter(stream))
+    client.close()
+    deadline = time.monotonic() + 5
+    while not slow_server.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert slow_server.aborted == [stream.req]
+    assert len(slow_server.table) == 0  # its sessions are gone too

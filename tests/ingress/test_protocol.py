@@ -1,0 +1,153 @@
+"""Wire protocol codec, validation, and the client/session table."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentserve.orchestrator.clients import ClientTable
+from agentserve.orchestrator.protocol import (
+    CLIENT_TAGS,
+    PROTOCOL_VERSION,
+    SERVER_TAGS,
+    Abort,
+    ClientCodec,
+    CloseSession,
+    Error,
+    ErrorCode,
+    FinishReason,
+    GetStats,
+    Hello,
+    Message,
+    OpenSession,
+    ProtocolError,
+    ServerCodec,
+    SessionClosed,
+    SessionOpened,
+    SessionOptions,
+    StatsReply,
+    Timings,
+    TokenEvent,
+    ToolCallEvent,
+    Turn,
+    TurnDone,
+    Usage,
+    Welcome,
+    validate,
+)
+
+REQUESTS = [
+    Hello(1, PROTOCOL_VERSION, "c"),
+    OpenSession(
+        2, PROTOCOL_VERSION, "sys", [{"type": "function", "function": {"name": "f"}}], SessionOptions("n")
+    ),
+    Turn(
+        3,
+        1,
+        [Message("user", "hi"), Message("tool", "5", "call_1")],
+        max_tokens=9,
+        top_k=4,
+        seed=7,
+        stop=["\n"],
+    ),
+    Turn(4, 1, token_ids=[1, 2, 3], ignore_eos=True),
+    Abort(5, 1, 3),
+    CloseSession(6, 1),
+    GetStats(7),
+]
+EVENTS = [
+    Welcome(1, PROTOCOL_VERSION, "0.1", "m", 4096, "run", 123),
+    SessionOpened(2, 1, 321),
+    TokenEvent(3, 1, [5, 6], "ab", 1.5, 1.7e9),
+    ToolCallEvent(3, 1, "call_1", "calc", {"expr": "1+1", "nested": {"k": [1, 2]}}),
+    TurnDone(3, 1, FinishReason.TOOL_CALLS, Usage(10, 4, 2), Timings(1.0, 2.0, 3.0, 4.0)),
+    SessionClosed(6, 1),
+    StatsReply(7, b"\x80"),
+    Error(0, ErrorCode.MALFORMED_FRAME, "bad"),
+]
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
+def test_requests_round_trip_and_validate(msg):
+    back = ServerCodec().decode(ClientCodec().encode(msg))
+    assert back == msg
+    validate(back)
+
+
+@pytest.mark.parametrize("ev", EVENTS, ids=lambda m: type(m).__name__)
+def test_events_round_trip(ev):
+    assert ClientCodec().decode(ServerCodec().encode(ev)) == ev
+
+
+def test_tags_are_disjoint_so_a_confused_peer_gets_unknown_message():
+    assert not CLIENT_TAGS & SERVER_TAGS
+
+
+def test_turn_maps_to_ring_sampling_params():
+    sp = Turn(1, 1, token_ids=[1], temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3, max_tokens=11,
+              ignore_eos=True).sampling_params([2])  # fmt: skip
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.seed, sp.max_tokens) == (0.7, 0.9, 5, 0.1, 3, 11)
+    assert sp.ignore_eos and sp.stop_token_ids == [2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_any_bytes_decode_or_raise_a_protocol_error(data):
+    codec = ServerCodec()
+    try:
+        validate(codec.decode(data))
+    except ProtocolError as e:
+        assert isinstance(e.code, ErrorCode)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=5), st.none(), st.booleans()), max_size=6
+    )
+)
+def test_arrays_with_a_request_tag_never_escape_as_other_exceptions(fields):
+    import msgspec
+
+    for tag in sorted(CLIENT_TAGS):
+        try:
+            validate(ServerCodec().decode(msgspec.msgpack.encode([tag, *fields])))
+        except ProtocolError as e:
+            assert e.code is not ErrorCode.UNKNOWN_MESSAGE
+
+
+# ---- ClientTable ----------------------------------------------------------------------------------
+
+
+def test_sessions_belong_to_their_client():
+    t = ClientTable()
+    a = t.open(b"A")
+    with pytest.raises(ProtocolError) as e:
+        t.get(b"B", a.session, req=3)
+    assert e.value.code is ErrorCode.UNKNOWN_SESSION and e.value.req == 3
+    with pytest.raises(ProtocolError):
+        t.get(b"A", 999)
+
+
+def test_one_turn_at_a_time_per_session():
+    t = ClientTable()
+    s = t.open(b"A").session
+    t.begin_turn(b"A", s, 10)
+    with pytest.raises(ProtocolError) as e:
+        t.begin_turn(b"A", s, 11)
+    assert e.value.code is ErrorCode.TURN_IN_PROGRESS
+    t.end_turn(s)
+    assert t.begin_turn(b"A", s, 12).turns == 2
+
+
+def test_client_gone_returns_its_sessions_with_running_turns():
+    t = ClientTable()
+    a1, a2, b1 = t.open(b"A"), t.open(b"A"), t.open(b"B")
+    t.begin_turn(b"A", a2.session, 5)
+    gone = t.client_gone(b"A")
+    assert [(e.session, e.turn_req) for e in gone] == [(a1.session, 0), (a2.session, 5)]
+    assert [e.session for e in t.sessions()] == [b1.session]
+    assert t.client_gone(b"A") == []
+    t.close(b"B", b1.session)
+    assert len(t) == 0
