@@ -124,3 +124,25 @@ class FakeCompletionServer:
         else:
             for k in range(body["max_tokens"]):
                 yield {"choices": [{"text": "x", "index": 0, "token_ids": [100 + k]}]}
+
+
+class ThreadedServer:
+    """A :class:`FakeCompletionServer` on its own event loop thread, for code that runs ``asyncio.run``."""
+
+    def __init__(self, **kwargs) -> None:
+        self.fake = FakeCompletionServer(**kwargs)
+        self.loop = asyncio.new_event_loop()
+
+    def __enter__(self) -> FakeCompletionServer:
+        import threading
+
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.fake.__aenter__(), self.loop).result(5)
+        return self.fake
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.fake.__aexit__(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from agentserve.bench.metrics import SLO, RequestRecord, RunRecord, TaskRecord, aggregate, summary
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from bench_fakes import FakeCompletionServer, tiny_workload
+
 from agentserve.bench.http_sse import HTTPError, get
 from agentserve.bench.openai_driver import OpenAIDriver
 from agentserve.bench.replayer import run_closed_loop
-from bench_fakes import FakeCompletionServer, tiny_workload
 
 
 async def _two_turns(server: FakeCompletionServer, dialect: str):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from bench_fakes import FakeDriver, tiny_workload
+
 from agentserve.bench.metrics import SLO, aggregate
 from agentserve.bench.replayer import run_closed_loop
-from bench_fakes import FakeDriver, tiny_workload
 
 
 def test_agents_replay_their_scripts_in_a_closed_loop():

@@ -7,6 +7,7 @@ import random
 import statistics
 
 import pytest
+
 from agentserve.bench.workload import Span, ToolLatency, Workload, load_spec
 
 

@@ -1,0 +1,146 @@
+"""Start and stop the systems under test: a fresh ``agentserve up`` per policy, or llama.cpp's server.
+
+Each launcher is a context manager that yields a connected-ready :class:`Target` (how to build the
+driver) and stops the process on exit (SIGTERM, then SIGKILL after a grace period). Server output
+goes to a log file whose tail is quoted when the server fails to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentserve.bench.driver import Driver
+from agentserve.bench.http_sse import get
+from agentserve.bench.openai_driver import OpenAIDriver
+from agentserve.bench.sdk_driver import SDKDriver
+
+LLAMA_CACHE = Path(os.environ.get("AGENTSERVE_LLAMA_CACHE", Path.home() / ".cache/agentserve/llama.cpp"))
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Target:
+    name: str
+    make_driver: Callable[[], Driver]
+
+
+def _tail(log: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+@contextlib.contextmanager
+def _process(cmd: list[str], ready: Callable[[subprocess.Popen, Path], bool], timeout_s: float,
+             env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    workdir = Path(tempfile.mkdtemp(prefix="agentserve-bench-"))
+    log = workdir / "server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready(proc, log):
+            if proc.poll() is not None:
+                raise ServerFailed(f"{cmd[0]} exited with {proc.returncode} before it was ready:\n"
+                                   f"{_tail(log)}")
+            if time.monotonic() > deadline:
+                raise ServerFailed(f"{cmd[0]} not ready after {timeout_s:.0f} s:\n{_tail(log)}")
+            time.sleep(0.2)
+        yield proc
+    finally:
+        rc = _stop(proc)
+        if rc not in (0, -signal.SIGTERM):
+            print(f"warning: {cmd[0]} exited with {rc}:\n{_tail(log, 10)}", file=sys.stderr)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def agentserve_command(model: str, policy: str, endpoint: str, extra: list[str]) -> list[str]:
+    """The command line of one AgentServe server (adapt here if ``agentserve up`` changes)."""
+    exe = Path(sys.executable).with_name("agentserve")
+    return [str(exe) if exe.is_file() else "agentserve", "up", "--model", model, "--policy", policy,
+            "--endpoint", endpoint, *extra]
+
+
+@contextlib.contextmanager
+def agentserve(model: str, policy: str, extra: list[str] | None = None,
+               timeout_s: float = 600.0) -> Iterator[Target]:
+    """A fresh ``agentserve up`` with ``policy``; ready once it prints its endpoint."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="agentserve-bench-ipc-"))
+    endpoint = f"ipc://{sock_dir}/ingress.sock"
+    ready = lambda proc, log: endpoint in log.read_text(errors="replace")
+    try:
+        with _process(agentserve_command(model, policy, endpoint, extra or []), ready, timeout_s):
+            yield Target(policy, lambda: SDKDriver(endpoint, name=policy))
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return asyncio.run(get(url + "/health"))[0] == 200
+    except OSError:
+        return False
+
+
+def llama_paths(model: str) -> tuple[Path, Path]:
+    """llama-server binary and the model's GGUF (``AGENTSERVE_LLAMA_SERVER`` / ``AGENTSERVE_LLAMA_GGUF``)."""
+    binary = Path(os.environ.get("AGENTSERVE_LLAMA_SERVER", LLAMA_CACHE / "bin/llama-server"))
+    gguf = Path(os.environ.get("AGENTSERVE_LLAMA_GGUF", LLAMA_CACHE / f"models/{Path(model).name}.gguf"))
+    if not binary.is_file():
+        raise ServerFailed(f"no llama-server at {binary}: run scripts/compare_llamacpp.sh --build-only")
+    if not gguf.is_file():
+        from agentserve.bench.gguf_export import export
+        from agentserve.executor.builtin import resolve_model
+
+        export(resolve_model(model), gguf)
+    return binary, gguf
+
+
+@contextlib.contextmanager
+def llamacpp(model: str, slots: int, ctx_per_slot: int, timeout_s: float = 300.0) -> Iterator[Target]:
+    """llama.cpp's ``llama-server`` on 127.0.0.1 with ``slots`` parallel slots, the same weights as GGUF."""
+    binary, gguf = llama_paths(model)
+    url = f"http://127.0.0.1:{_free_port()}"
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
+           "-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-webui"]
+    with _process(cmd, lambda proc, log: _healthy(url), timeout_s):
+        yield Target("llamacpp", lambda: OpenAIDriver(url, dialect="llamacpp", name="llamacpp"))
+
+
+@contextlib.contextmanager
+def external(url: str, dialect: str = "openai", model: str | None = None) -> Iterator[Target]:
+    """A server someone else runs (``--target``); nothing to start or stop."""
+    yield Target("target", lambda: OpenAIDriver(url, dialect=dialect, model=model, name="target"))

@@ -1,0 +1,140 @@
+"""``agentserve bench``: the same closed-loop agent workload against each policy / system, side by side."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from agentserve.bench import report as reporting
+from agentserve.bench import servers
+from agentserve.bench.metrics import SLO, RunRecord, aggregate
+from agentserve.bench.replayer import run_closed_loop
+from agentserve.bench.workload import Workload, WorkloadSpec, load_spec
+
+
+def context_per_agent(spec: WorkloadSpec) -> int:
+    """Longest conversation one agent task can reach (for llama.cpp's per-slot context), rounded up."""
+    n = spec.cold_prefill.max + (spec.steps_per_task - 1) * spec.resume_prefill.max
+    n += spec.steps_per_task * spec.decode.max + 64
+    return -(-n // 256) * 256
+
+
+def launchers(policies: list[str], model: str, spec: WorkloadSpec, server_args: list[str]
+              ) -> list[tuple[str, Callable[[], Any]]]:
+    out = []
+    for p in policies:
+        if p == "llamacpp":
+            out.append((p, lambda: servers.llamacpp(model, spec.agents, context_per_agent(spec))))
+        else:
+            out.append((p, lambda p=p: servers.agentserve(model, p, server_args)))
+    return out
+
+
+async def _drive(target: servers.Target, workload: Workload, duration: float, timeout_s: float,
+                 progress: Progress, task: Any) -> RunRecord:
+    driver = target.make_driver()
+    connect = getattr(driver, "connect", None)
+    if connect is not None:
+        await connect()
+    count = 0
+
+    def on_request(_):
+        nonlocal count
+        count += 1
+
+    async def tick():
+        t0 = time.perf_counter()
+        while True:
+            progress.update(task, completed=min(time.perf_counter() - t0, duration),
+                            description=f"{target.name}: {count} requests")
+            await asyncio.sleep(0.5)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        return await run_closed_loop(driver, workload, duration, request_timeout_s=timeout_s,
+                                     on_request=on_request)
+    finally:
+        ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticker
+        await driver.aclose()
+
+
+@click.command("bench")
+@click.option("--workload", default="react", show_default=True, help="react | plan-execute | a TOML file")
+@click.option("--agents", type=int, default=None, help="concurrent agents [default: the workload's]")
+@click.option("--policies", default="agentserve,fcfs", show_default=True,
+              help="comma-separated: AgentServe scheduler policies (agentserve, fcfs, chunked, ...) "
+                   "and/or llamacpp (llama.cpp's llama-server on the same weights)")
+@click.option("--duration", type=float, default=120.0, show_default=True, help="seconds per system")
+@click.option("--model", default="bench", show_default=True, help="built-in model or checkpoint folder")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the report")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="write PNG plots")
+@click.option("--target", default=None, help="benchmark an external server at http://HOST:PORT instead")
+@click.option("--target-dialect", type=click.Choice(["openai", "llamacpp"]), default="openai",
+              show_default=True, help="/v1/completions or llama.cpp's native /completion")
+@click.option("--target-model", default=None, help="the `model` field sent to --target")
+@click.option("--tool-latency-median", type=float, default=None, help="seconds (log-normal median)")
+@click.option("--tool-latency-sigma", type=float, default=None, help="log-normal sigma")
+@click.option("--steps", type=int, default=None, help="LLM turns per agent task")
+@click.option("--seed", type=int, default=None)
+@click.option("--ttft-slo-ms", type=float, default=2000.0, show_default=True)
+@click.option("--tpot-slo-ms", type=float, default=100.0, show_default=True)
+@click.option("--request-timeout", type=float, default=300.0, show_default=True, help="seconds per turn")
+@click.option("--server-arg", "server_args", multiple=True, help="extra argument for `agentserve up`")
+def bench(workload: str, agents: int | None, policies: str, duration: float, model: str,
+          json_path: str | None, plot_path: str | None, target: str | None, target_dialect: str,
+          target_model: str | None, tool_latency_median: float | None, tool_latency_sigma: float | None,
+          steps: int | None, seed: int | None, ttft_slo_ms: float, tpot_slo_ms: float,
+          request_timeout: float, server_args: tuple[str, ...]) -> None:
+    """Run closed-loop agents against each system for --duration seconds and compare them."""
+    spec = load_spec(workload, agents=agents, seed=seed, steps_per_task=steps,
+                     tool_latency_median_s=tool_latency_median, tool_latency_sigma=tool_latency_sigma)
+    wl = Workload(spec)
+    slo = SLO(ttft_slo_ms / 1000.0, tpot_slo_ms / 1000.0)
+    if target:
+        systems = [("target", lambda: servers.external(target, target_dialect, target_model))]
+    else:
+        names = [p.strip() for p in policies.split(",") if p.strip()]
+        systems = launchers(names, model, spec, list(server_args))
+    console = Console()
+    runs: dict[str, RunRecord] = {}
+    failed: list[str] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        for name, launch in systems:
+            task = progress.add_task(f"{name}: starting", total=duration)
+            try:
+                with launch() as tgt:
+                    runs[name] = asyncio.run(_drive(tgt, wl, duration, request_timeout, progress, task))
+            except servers.ServerFailed as e:
+                console.print(f"[red]{name}: {e}[/red]")
+                failed.append(name)
+    if not runs:
+        raise click.ClickException("no system could be benchmarked")
+    figures = {name: aggregate(run, slo) for name, run in runs.items()}
+    meta = {"workload": spec.name, "agents": spec.agents, "duration_s": duration, "model": model,
+            "steps_per_task": spec.steps_per_task, "seed": spec.seed,
+            "tool_latency": {"median_s": spec.tool_latency.median_s, "sigma": spec.tool_latency.sigma},
+            "slo": {"ttft_ms": ttft_slo_ms, "tpot_ms": tpot_slo_ms}, "target": target, "failed": failed}
+    rep = reporting.build(figures, meta)
+    reporting.print_table(rep, console)
+    if json_path:
+        reporting.write_json(rep, json_path)
+        console.print(f"wrote {json_path}")
+    if plot_path:
+        from agentserve.bench.plots import plot
+
+        plot(runs, plot_path)
+        console.print(f"wrote {plot_path}")
+    errors = {n: f["errors"] for n, f in figures.items() if f["errors"] or not f["requests"]}
+    if failed or errors:
+        raise click.ClickException(f"failed to start: {failed or 'none'}; "
+                                   f"systems with errors: {errors or 'none'}")

@@ -1,0 +1,67 @@
+"""`agentserve bench` without an AgentServe server: --target against a fake server, and the launchers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from bench_fakes import ThreadedServer
+from click.testing import CliRunner
+
+from agentserve.bench import servers
+from agentserve.bench.workload import load_spec
+from agentserve.cli.bench import bench, context_per_agent
+
+
+def test_bench_against_an_external_server_writes_json(tmp_path):
+    out = tmp_path / "out.json"
+    with ThreadedServer() as fake:
+        result = CliRunner().invoke(bench, [
+            "--target", fake.url, "--workload", "react", "--agents", "2", "--duration", "1.5",
+            "--tool-latency-median", "0.05", "--steps", "2", "--json", str(out), "--tpot-slo-ms", "1000",
+        ])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    figs = data["policies"]["target"]
+    assert figs["requests"] > 0 and figs["errors"] == 0
+    assert figs["tpot"]["p95"] > 0 and figs["throughput_tok_s"] > 0
+    assert data["meta"]["agents"] == 2 and data["meta"]["steps_per_task"] == 2
+    # every request resent the growing conversation as token ids
+    assert all(isinstance(b["prompt"], list) for b in fake.bodies)
+    assert "TPOT p95" in result.output
+
+
+def test_bench_fails_loudly_when_the_target_errors():
+    with ThreadedServer(status=400) as fake:
+        result = CliRunner().invoke(bench, ["--target", fake.url, "--duration", "1", "--agents", "1"])
+    assert result.exit_code != 0
+    assert "errors" in result.output
+
+
+def _fake_up(script: str):
+    return lambda model, policy, endpoint, extra: [sys.executable, "-c", script, endpoint]
+
+
+def test_agentserve_launcher_waits_for_the_endpoint_and_stops_the_server(monkeypatch):
+    script = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+              "time.sleep(0.3); print('listening on', sys.argv[1], flush=True)\n"
+              "while True: time.sleep(1)\n")
+    monkeypatch.setattr(servers, "agentserve_command", _fake_up(script))
+    with servers.agentserve("tiny", "fcfs", timeout_s=20) as target:
+        driver = target.make_driver()
+        assert target.name == "fcfs" and driver.endpoint.startswith("ipc://")
+
+
+def test_agentserve_launcher_reports_a_server_that_dies(monkeypatch):
+    monkeypatch.setattr(servers, "agentserve_command", _fake_up("print('no GPU'); raise SystemExit(3)"))
+    launch = servers.agentserve("tiny", "x", timeout_s=20)
+    with pytest.raises(servers.ServerFailed, match="no GPU"), launch:
+        pass
+
+
+def test_llama_context_fits_the_longest_task():
+    spec = load_spec("plan-execute")
+    assert context_per_agent(spec) >= 3500 + 5 * 421 + 6 * 64
+    assert context_per_agent(spec) % 256 == 0
