@@ -1,0 +1,240 @@
+"""ModelRunner: loads a checkpoint and runs ragged prefill and batched decode on a paged KV cache.
+
+Block allocation belongs to the caller: every request names the blocks (``block_table``) that cover
+positions ``0 ..`` its last token.  The runner writes the new tokens' K/V into those blocks and returns
+fp32 logits; it never samples and never decides what runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from agentserve.executor.attention import AttentionBatch, create_backend
+from agentserve.executor.checkpoint import ModelConfig, load_config, load_weights
+from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
+from agentserve.executor.kv_cache import KVCache, bytes_per_block
+from agentserve.executor.model import DecoderModel
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+CPU_KV_CAP_BYTES = 2 << 30
+DEFAULT_MAX_SEQS = 64  # the default KV budget never exceeds this many full-length sequences
+
+
+@dataclass
+class PrefillChunk:
+    """``token_ids`` of one sequence at positions ``start_pos ..``; positions ``< start_pos`` are cached."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+
+
+@dataclass
+class DecodeItem:
+    """One token of one sequence fed at ``position`` (all earlier positions are cached)."""
+
+    token_id: int
+    position: int
+    block_table: list[int]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX); otherwise bf16 matmuls crawl."""
+    cpu = torch.cpu
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torch.dtype:
+    """``auto``: the checkpoint's bf16/fp16 on CUDA (else bf16); on CPU bf16 where it is native, else fp32."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.float16 if config.torch_dtype == "float16" else torch.bfloat16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise EngineError(f"unknown dtype {dtype!r}; use auto, bfloat16, float16 or float32")
+    if DTYPES[dtype] == torch.float16 and device.type == "cpu":
+        raise EngineError(
+            "float16 is not supported on CPU (its matmuls are ~100x slower); use bfloat16 or float32"
+        )
+    return DTYPES[dtype]
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ModelRunner:
+    """Runs one model. Not thread-safe; one caller drives it (the executor's step loop)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        attention_backend: str = "torch",
+        max_model_len: int | None = None,
+    ) -> None:
+        self.config = config = load_config(model_dir)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device, config)
+        self.block_size = block_size
+        self.max_model_len = min(
+            max_model_len or config.max_position_embeddings, config.max_position_embeddings
+        )
+        with torch.inference_mode():
+            self.model = DecoderModel(
+                config, load_weights(model_dir), self.dtype, self.device, self.max_model_len
+            )
+        self.num_blocks = num_blocks or self._default_num_blocks(kv_cache_bytes)
+        self.kv_cache = KVCache(
+            config.num_layers,
+            self.num_blocks,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.attention = create_backend(
+            attention_backend, config.num_heads, config.num_kv_heads, config.head_dim, block_size, self.device
+        )
+        log.info(
+            "loaded %s (%s) on %s as %s; KV cache %d blocks x %d tokens (%.1f MiB)",
+            model_dir,
+            config.architecture,
+            self.device,
+            self.dtype,
+            self.num_blocks,
+            block_size,
+            self.kv_cache.total_bytes / 2**20,
+        )
+
+    def _default_num_blocks(self, budget: int | None) -> int:
+        c = self.config
+        per_block = bytes_per_block(c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, self.dtype)
+        if budget is None:
+            budget = _available_bytes(self.device) // 2
+            if self.device.type == "cpu":
+                budget = min(budget, CPU_KV_CAP_BYTES)
+            full = DEFAULT_MAX_SEQS * -(-self.max_model_len // self.block_size)
+            return max(1, min(budget // per_block, full))
+        if budget < per_block:
+            raise EngineError(f"KV cache budget {budget} bytes is smaller than one block ({per_block} bytes)")
+        return budget // per_block
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.kv_cache.capacity_tokens
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.kv_cache.bytes_per_block
+
+    @torch.inference_mode()
+    def prefill(
+        self, chunks: list[PrefillChunk], all_logits: bool = False
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Run chunks of several sequences at once. Returns fp32 logits of each chunk's last token
+        (``[len(chunks), vocab]``), or with ``all_logits`` a list of ``[len(chunk), vocab]``."""
+        if not chunks:
+            raise InvalidRequestError("prefill needs at least one chunk")
+        for c in chunks:
+            self._check(c.token_ids, c.start_pos, c.block_table)
+        lens = [len(c.token_ids) for c in chunks]
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+        positions = torch.cat(
+            [torch.arange(c.start_pos, c.start_pos + n) for c, n in zip(chunks, lens, strict=True)]
+        )
+        slots = torch.cat(
+            [self._slots(c.block_table, c.start_pos, n) for c, n in zip(chunks, lens, strict=True)]
+        )
+        batch = AttentionBatch(
+            False, lens, [c.start_pos for c in chunks], [c.block_table for c in chunks], slots
+        )
+        hidden = self._forward(ids, positions, batch)
+        if all_logits:
+            return list(self.model.logits(hidden).split(lens))
+        last = torch.tensor(lens).cumsum(0) - 1
+        return self.model.logits(hidden[last.to(self.device)])
+
+    @torch.inference_mode()
+    def decode(self, items: list[DecodeItem]) -> torch.Tensor:
+        """One token for each sequence; returns fp32 logits ``[len(items), vocab]``."""
+        if not items:
+            raise InvalidRequestError("decode needs at least one item")
+        bs = self.block_size
+        for it in items:
+            self._check([it.token_id], it.position, it.block_table)
+        ids = torch.tensor([it.token_id for it in items], dtype=torch.int64)
+        positions = torch.tensor([it.position for it in items], dtype=torch.int64)
+        slots = torch.tensor(
+            [it.block_table[it.position // bs] * bs + it.position % bs for it in items], dtype=torch.int64
+        )
+        batch = AttentionBatch(
+            True, [1] * len(items), [it.position for it in items], [it.block_table for it in items], slots
+        )
+        return self.model.logits(self._forward(ids, positions, batch))
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        meta = self.attention.plan(batch)
+        ids, positions = ids.to(self.device, non_blocking=True), positions.to(self.device, non_blocking=True)
+        return self.model.forward(ids, positions, self.kv_cache, self.attention, meta)
+
+    def _slots(self, table: list[int], start: int, n: int) -> torch.Tensor:
+        pos = torch.arange(start, start + n)
+        blocks = torch.tensor(table[: -(-(start + n) // self.block_size)], dtype=torch.int64)
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _check(self, token_ids: list[int], start: int, table: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("empty token list")
+        if start < 0:
+            raise InvalidRequestError(f"negative start position {start}")
+        end = start + len(token_ids)
+        if end > self.max_model_len:
+            raise PromptTooLongError(
+                f"sequence of {end} tokens exceeds the model's context of {self.max_model_len}"
+            )
+        lo, hi = min(token_ids), max(token_ids)
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise InvalidRequestError(
+                f"token id {lo if lo < 0 else hi} outside vocabulary [0, {self.config.vocab_size})"
+            )
+        need = -(-end // self.block_size)
+        if len(table) < need:
+            raise InvalidRequestError(f"block table has {len(table)} blocks, {end} tokens need {need}")
+        used = table[:need]
+        if min(used) < 0 or max(used) >= self.num_blocks:
+            raise InvalidRequestError(f"block id outside the KV cache [0, {self.num_blocks})")

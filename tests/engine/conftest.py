@@ -1,0 +1,43 @@
+"""Session fixtures: one tiny transformers checkpoint per architecture case, and the oracle's outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import SPECS, build_hf_model, hf_greedy, random_prompts, save_checkpoint
+
+PROMPT_LENGTHS = [5, 17, 40, 70]
+MAX_NEW = 64
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _few_threads():
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+class Case:
+    """A saved checkpoint, its transformers model, prompts and transformers' greedy continuations."""
+
+    def __init__(self, name: str, root) -> None:
+        self.name = name
+        self.hf = build_hf_model(name)
+        self.path = save_checkpoint(self.hf, root / name)
+        self.prompts = random_prompts(PROMPT_LENGTHS, seed=len(name))
+        self._expected: list[list[int]] | None = None
+
+    @property
+    def expected(self) -> list[list[int]]:
+        if self._expected is None:
+            self._expected = [hf_greedy(self.hf, p, MAX_NEW) for p in self.prompts]
+        return self._expected
+
+
+@pytest.fixture(scope="session")
+def cases(tmp_path_factory) -> dict[str, Case]:
+    root = tmp_path_factory.mktemp("engine_ckpt")
+    return {name: Case(name, root) for name in SPECS}
+
+
+@pytest.fixture(params=list(SPECS))
+def case(request, cases) -> Case:
+    return cases[request.param]
