@@ -75,6 +75,26 @@ class FakeStream:
         self.kind, self.handle, self.priority = kind, handle, priority
         self.synced = 0
 
+        self.recorded: list[FakeEvent] = []
+        self.waited: list[FakeEvent] = []
+
+    def synchronize(self) -> None:
+        self.synced += 1
+
+    def record_event(self) -> FakeEvent:
+        event = FakeEvent(self)
+        self.recorded.append(event)
+        return event
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.waited.append(event)
+
+
+@dataclass(eq=False)
+class FakeEvent:
+    stream: FakeStream
+    synced: int = 0
+
     def synchronize(self) -> None:
         self.synced += 1
 

@@ -1,0 +1,129 @@
+"""LaneWorker: ordered steps on a bound thread, rebinding at step boundaries, cross-lane ordering."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from partition_fakes import Gpu
+
+from agentserve.executor.lanes import LaneWorker, Marker, SeqReady
+from agentserve.executor.partition.cpu_cores import CpuCoresBackend
+from agentserve.executor.partition.green_ctx import GreenCtxBackend
+from agentserve.shm.messages import Lane
+
+
+@pytest.fixture
+def cpu() -> CpuCoresBackend:
+    backend = CpuCoresBackend()
+    yield backend
+    backend.close()
+
+
+def thread_view(binding):
+    return (
+        threading.current_thread().name,
+        tuple(sorted(os.sched_getaffinity(threading.get_native_id()))),
+        torch.get_num_threads(),
+        binding.rung.index,
+    )
+
+
+def test_steps_run_in_order_on_the_bound_lane_thread(cpu: CpuCoresBackend) -> None:
+    seen: list[int] = []
+    with LaneWorker(cpu, Lane.PREFILL, rung=0) as lane:
+        steps = [lane.submit(lambda b, i=i: (seen.append(i), thread_view(b))[1]) for i in range(20)]
+        views = [s.result(10) for s in steps]
+    assert seen == list(range(20))
+    rung = cpu.ladder[0]
+    cores = cpu.cores_for(Lane.PREFILL, rung)
+    assert set(views) == {("lane-prefill", cores, len(cores), 0)}
+    assert [t.index for t in lane.timings] == list(range(20))
+    assert all(t.gap_s >= 0 and t.end >= t.start for t in lane.timings)
+    assert not cpu.in_use(), "the lane unbinds when it stops"
+
+
+def test_rebind_happens_only_at_step_boundaries(cpu: CpuCoresBackend) -> None:
+    started, release = threading.Event(), threading.Event()
+    top = cpu.ladder[-1].index
+    with LaneWorker(cpu, Lane.DECODE, rung=0) as lane:
+        first = lane.submit(lambda b: (started.set(), release.wait(10), thread_view(b))[2])
+        started.wait(10)
+        lane.rebind(top)  # requested while the first step runs
+        second = lane.submit(thread_view)
+        third = lane.submit(thread_view, rung=0)
+        release.set()
+        views = [first.result(10), second.result(10), third.result(10)]
+    assert [v[3] for v in views] == [0, top, 0]
+    assert views[1][1] == cpu.cores and views[1][2] == len(cpu.cores)
+    assert [t.rung for t in lane.timings] == [0, top, 0]
+
+
+def test_two_lanes_use_their_own_thread_counts_at_once(cpu: CpuCoresBackend) -> None:
+    """Decode on the shared top rung (all cores) while prefill is on rung 0: each sees its own count."""
+    if len(cpu.cores) < 2:
+        pytest.skip("needs two cores")
+    barrier = threading.Barrier(2, timeout=10)
+
+    def view_at_barrier(binding):
+        barrier.wait()
+        torch.randn(128, 128) @ torch.randn(128, 128)
+        out = thread_view(binding)
+        barrier.wait()
+        return out
+
+    top = cpu.ladder[-1].index
+    with LaneWorker(cpu, Lane.DECODE, rung=top) as dec, LaneWorker(cpu, Lane.PREFILL, rung=0) as pre:
+        d, p = dec.submit(view_at_barrier), pre.submit(view_at_barrier)
+        dv, pv = d.result(10), p.result(10)
+    assert dv[2] == len(cpu.cores) and pv[2] == len(cpu.cores_for(Lane.PREFILL, cpu.ladder[0]))
+    assert dv[1] == cpu.cores and set(pv[1]).isdisjoint(cpu.cores_for(Lane.DECODE, cpu.ladder[0]))
+
+
+def test_decode_waits_for_the_prefill_of_its_sequence(cpu: CpuCoresBackend) -> None:
+    ready = SeqReady()
+    kv: dict[int, str] = {}
+    gate = threading.Event()
+    with LaneWorker(cpu, Lane.DECODE) as dec, LaneWorker(cpu, Lane.PREFILL) as pre:
+        pf = pre.submit(lambda b: (gate.wait(10), kv.__setitem__(7, "prefilled"))[1])
+        ready.mark([7], pf.marker)
+        dc = dec.submit(lambda b: kv.get(7), after=ready.pending([7, 8]))
+        assert not dc.future.done()
+        gate.set()
+        assert dc.result(10) == "prefilled"
+    assert dec.timings[0].wait_s >= 0
+    assert ready.pending([7]) == [], "a completed host-only marker is nothing to wait for"
+    ready.drop([7])
+
+
+def test_failed_prefill_fails_the_dependent_decode(cpu: CpuCoresBackend) -> None:
+    with LaneWorker(cpu, Lane.DECODE) as dec, LaneWorker(cpu, Lane.PREFILL) as pre:
+        pf = pre.submit(lambda b: 1 / 0)
+        dc = dec.submit(lambda b: "ran", after=[pf.marker])
+        with pytest.raises(RuntimeError, match="awaited step failed"):
+            dc.result(10)
+        assert dec.submit(lambda b: "still alive").result(10) == "still alive"
+    with pytest.raises(RuntimeError, match="is stopped"):
+        dec.submit(lambda b: None)
+
+
+def test_gpu_ordering_uses_stream_events_not_host_sync() -> None:
+    gpu = Gpu(132, (9, 0))
+    backend = GreenCtxBackend(gpu.drv, gpu.cuda)
+    with LaneWorker(backend, Lane.DECODE, rung=1) as dec, LaneWorker(backend, Lane.PREFILL, rung=1) as pre:
+        pf = pre.submit(lambda b: b.stream)
+        dc = dec.submit(lambda b: b.stream, after=[pf.marker])
+        prefill_stream, decode_stream = pf.result(10), dc.result(10)
+    assert prefill_stream is not decode_stream
+    assert prefill_stream.recorded == [pf.marker.cuda_event]
+    assert decode_stream.waited == [pf.marker.cuda_event]
+    assert pf.marker.cuda_event.synced == 0
+    backend.close()
+    assert not gpu.drv.violations
+
+
+def test_marker_timeout() -> None:
+    with pytest.raises(TimeoutError):
+        Marker().wait(timeout=0.01)
