@@ -1,0 +1,144 @@
+"""``agentserve top``: a live dashboard of a running server, fed by its stats board.
+
+Sources: ``--run NAME`` attaches the shared-memory stats board of that run (read-only, costs the
+server nothing); ``--endpoint`` asks the server over its client socket (``GetStats``); with
+neither, the one live run on this machine is used.  ``--once --json`` prints one snapshot.
+Exit codes: 0 ok or Ctrl-C, 2 no server / the server went away.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Protocol
+
+import click
+from rich.console import Console
+from rich.live import Live
+
+from agentserve.cli.top_view import render
+from agentserve.client import AgentClient, AgentServeError
+from agentserve.orchestrator.stats_schema import (
+    SNAPSHOT_VERSION,
+    Snapshot,
+    SnapshotError,
+    decode_snapshot,
+    to_json_obj,
+)
+from agentserve.shm.board import StatsBoard, list_runs
+from agentserve.shm.errors import ShmError
+
+
+class TopError(RuntimeError):
+    """No usable server to watch (a clear message for the user, exit code 2)."""
+
+
+class Source(Protocol):
+    def read(self) -> Snapshot: ...
+
+    def close(self) -> None: ...
+
+
+class BoardSource:
+    """Reads the stats board of ``run`` from shared memory."""
+
+    def __init__(self, run: str) -> None:
+        try:
+            self._board = StatsBoard.attach(run, SNAPSHOT_VERSION, timeout=0.3)
+        except (ShmError, FileNotFoundError) as e:
+            raise TopError(f"no stats board for run {run!r}: {e}") from None
+        self.run = run
+
+    def read(self) -> Snapshot:
+        if not self._board.writer_alive():
+            raise TopError(f"the server of run {self.run!r} is gone")
+        data = self._board.read()
+        if not data:
+            raise TopError(f"run {self.run!r} has not published stats yet")
+        try:
+            return decode_snapshot(data)
+        except SnapshotError as e:
+            raise TopError(str(e)) from None
+
+    def close(self) -> None:
+        self._board.close()
+
+
+class EndpointSource:
+    """Asks the server at ``endpoint`` for its snapshot over the client protocol."""
+
+    def __init__(self, endpoint: str, timeout: float = 3.0) -> None:
+        try:
+            self._client = AgentClient(endpoint, timeout=timeout, name="agentserve-top")
+        except AgentServeError as e:
+            raise TopError(str(e)) from None
+
+    def read(self) -> Snapshot:
+        try:
+            return decode_snapshot(self._client.stats())
+        except (AgentServeError, SnapshotError) as e:
+            raise TopError(str(e)) from None
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def open_source(run: str | None, endpoint: str | None) -> Source:
+    if endpoint:
+        return EndpointSource(endpoint)
+    if run:
+        return BoardSource(run)
+    runs = list_runs()
+    if not runs:
+        raise TopError("no running agentserve server found (start one with `agentserve up`)")
+    if len(runs) > 1:
+        raise TopError(f"several servers are running ({', '.join(sorted(runs))}): pick one with --run")
+    return BoardSource(runs[0])
+
+
+def _print_once(source: Source, as_json: bool, console: Console) -> None:
+    snap = source.read()
+    if as_json:
+        click.echo(json.dumps(to_json_obj(snap), indent=2))
+    else:
+        console.print(render(snap, console.width))
+
+
+def _live(source: Source, interval: float, as_json: bool, console: Console) -> None:
+    if as_json:  # one JSON object per line, for scripts
+        while True:
+            click.echo(json.dumps(to_json_obj(source.read())))
+            time.sleep(interval)
+    with Live(console=console, auto_refresh=False, screen=False, transient=False) as live:
+        while True:
+            live.update(render(source.read(), console.width, console.height), refresh=True)
+            time.sleep(interval)
+
+
+@click.command("top")
+@click.option("--run", "run", default=None, help="Watch this run's stats board (default: the only live run).")
+@click.option("--endpoint", default=None, help="Ask the server at this endpoint instead (ipc://… or tcp://…).")
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.05), help="Seconds.")
+@click.option("--once", is_flag=True, help="Print one snapshot and exit.")
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of the dashboard.")
+def top(run: str | None, endpoint: str | None, interval: float, once: bool, as_json: bool) -> None:
+    """Live view of a running server: partition rung, TPOT/TTFT vs SLO, queues, KV, and every agent."""
+    console = Console()
+    try:
+        source = open_source(run, endpoint)
+    except TopError as e:
+        click.echo(f"agentserve top: {e}", err=True)
+        sys.exit(2)
+    try:
+        if once:
+            _print_once(source, as_json, console)
+        else:
+            _live(source, interval, as_json, console)
+    except TopError as e:
+        click.echo(f"agentserve top: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        source.close()

@@ -1,0 +1,114 @@
+"""`agentserve top`: rendering at 80 and 200 columns, and the --once --json command on each source."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+from snapshots import realistic
+
+from agentserve.cli.top import top
+from agentserve.cli.top_view import BLOCKS, render, sparkline
+from agentserve.orchestrator.stats_schema import (
+    SNAPSHOT_VERSION,
+    Snapshot,
+    decode_snapshot,
+    encode_snapshot,
+    to_json_obj,
+)
+from agentserve.shm.board import StatsBoard
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "client"))
+from agent_fake_server import EchoServer  # noqa: E402
+
+
+def screen(snap: Snapshot, width: int, height: int | None) -> list[str]:
+    with open(os.devnull, "w") as sink:
+        console = Console(width=width, height=height or 50, record=True, color_system=None, file=sink)
+        console.print(render(snap, width, height))
+    return console.export_text().splitlines()
+
+
+def test_80x24_fits_and_shows_every_block():
+    lines = screen(realistic(12), 80, 24)
+    text = "\n".join(lines)
+    assert len(lines) <= 24 and max(map(len, lines)) <= 80
+    for needle in ("rung    3/9", "green_ctx", "B_prefill 256/1024", "TPOT p50 41.5", "p95 640",
+                   "cold 2  resume 1  decode 4", "1830/4096", "prefix hits 73%", "decode 88%",
+                   "react-agent-1", "prefilling", "in_tool", "+"):  # fmt: skip
+        assert needle in text, needle
+    assert "more" in text  # 12 sessions do not fit in 24 rows: the rest is counted
+
+
+def test_200_columns_puts_blocks_side_by_side_and_lists_all_sessions():
+    lines = screen(realistic(6), 200, 50)
+    assert max(map(len, lines)) <= 200
+    assert any("rung" in ln and "queues" in ln for ln in lines)  # side by side
+    assert all(f"react-agent-{i}" in "\n".join(lines) for i in range(1, 7))
+    assert "more" not in "\n".join(lines)
+    assert len(lines) < len(screen(realistic(6), 80, None))
+
+
+def test_empty_snapshot_renders():
+    text = "\n".join(screen(Snapshot(), 80, 24))
+    assert "no sessions" in text
+
+
+def test_sparkline_scales_and_marks_values_over_the_slo():
+    line = sparkline([0, 20, 40, 80], slo=50, width=10)
+    assert len(line.plain) == 4
+    assert line.plain[-1] == BLOCKS[-1] and line.plain[0] == BLOCKS[0]
+    styles = [str(span.style) for span in line.spans]
+    assert styles == ["green", "green", "green", "red"]
+    assert sparkline([1.0] * 100, 0, 12).plain == BLOCKS[-1] * 12  # last `width` values, no SLO
+    assert sparkline([], 5, 4).plain == "····"
+
+
+def test_snapshot_json_has_every_field_and_round_trips():
+    snap = realistic()
+    obj = to_json_obj(snap)
+    assert obj["version"] == SNAPSHOT_VERSION and obj["sessions"][0]["state"] == "queued"
+    assert decode_snapshot(encode_snapshot(snap)) == snap
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def board():
+    run = f"toptest{os.getpid()}"
+    b = StatsBoard.create(run, 64 * 1024, SNAPSHOT_VERSION)
+    b.publish(encode_snapshot(realistic()))
+    yield run
+    b.close()
+
+
+def test_once_json_from_the_stats_board(board):
+    res = CliRunner().invoke(top, ["--run", board, "--once", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output) == to_json_obj(realistic())
+
+
+def test_once_dashboard_from_the_stats_board(board):
+    res = CliRunner().invoke(top, ["--run", board, "--once"])
+    assert res.exit_code == 0, res.output
+    assert "react-agent-6" in res.output and "green_ctx" in res.output
+
+
+def test_once_json_from_an_endpoint(tmp_path):
+    with EchoServer(f"ipc://{tmp_path}/s.sock") as srv:
+        res = CliRunner().invoke(top, ["--endpoint", srv.endpoint, "--once", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["server"]["model"] == "echo"
+
+
+def test_no_server_is_exit_2_with_a_clear_message(tmp_path):
+    res = CliRunner().invoke(top, ["--run", "nosuchrun-xyz", "--once"])
+    assert res.exit_code == 2 and "no stats board" in res.output
+    res = CliRunner().invoke(top, ["--endpoint", f"ipc://{tmp_path}/none.sock", "--once", "--json"])
+    assert res.exit_code == 2 and "no AgentServe server" in res.output
