@@ -120,7 +120,8 @@ def bench(workload: str, agents: int | None, policies: str, duration: float, mod
     if not runs:
         raise click.ClickException("no system could be benchmarked")
     figures = {name: aggregate(run, slo) for name, run in runs.items()}
-    meta = {"workload": spec.name, "agents": spec.agents, "duration_s": duration, "model": model,
+    meta = {"workload": spec.name, "agents": spec.agents, "duration_s": duration,
+            "model": (target_model or "external") if target else model,
             "steps_per_task": spec.steps_per_task, "seed": spec.seed,
             "tool_latency": {"median_s": spec.tool_latency.median_s, "sigma": spec.tool_latency.sigma},
             "slo": {"ttft_ms": ttft_slo_ms, "tpot_ms": tpot_slo_ms}, "target": target, "failed": failed}

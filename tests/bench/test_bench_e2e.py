@@ -32,6 +32,7 @@ def test_short_bench_against_a_real_server(tmp_path):
     exe = Path(sys.executable).with_name("agentserve")
     cmd = [str(exe) if exe.is_file() else "agentserve", "bench", "--workload", "react", "--agents", "2",
            "--policies", "agentserve", "--duration", "20", "--model", "tiny", "--tool-latency-median", "0.2",
+           "--steps", "3",  # tiny has 4096 positions: 3 turns of react always fit
            "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
