@@ -130,14 +130,14 @@ def llama_paths(model: str) -> tuple[Path, Path]:
 
 
 @contextlib.contextmanager
-def llamacpp(model: str, slots: int, ctx_per_slot: int, timeout_s: float = 300.0) -> Iterator[Target]:
+def llama_server(model: str, slots: int, ctx_per_slot: int, timeout_s: float = 300.0) -> Iterator[Target]:
     """llama.cpp's ``llama-server`` on 127.0.0.1 with ``slots`` parallel slots, the same weights as GGUF."""
     binary, gguf = llama_paths(model)
     url = f"http://127.0.0.1:{_free_port()}"
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
            "-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-webui"]
     with _process(cmd, lambda proc, log: _healthy(url), timeout_s):
-        yield Target("llamacpp", lambda: OpenAIDriver(url, dialect="llamacpp", name="llamacpp"))
+        yield Target("llama-server", lambda: OpenAIDriver(url, dialect="llamacpp", name="llama-server"))
 
 
 @contextlib.contextmanager

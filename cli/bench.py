@@ -18,6 +18,8 @@ from agentserve.bench.metrics import SLO, RunRecord, aggregate
 from agentserve.bench.replayer import run_closed_loop
 from agentserve.bench.workload import Workload, WorkloadSpec, load_spec
 
+LLAMA_SERVER = "llama-server"  # the real llama.cpp server; "llamacpp" is AgentServe's emulation policy
+
 
 def context_per_agent(spec: WorkloadSpec) -> int:
     """Longest conversation one agent task can reach (for llama.cpp's per-slot context), rounded up."""
@@ -30,8 +32,8 @@ def launchers(policies: list[str], model: str, spec: WorkloadSpec, server_args: 
               ) -> list[tuple[str, Callable[[], Any]]]:
     out = []
     for p in policies:
-        if p == "llamacpp":
-            out.append((p, lambda: servers.llamacpp(model, spec.agents, context_per_agent(spec))))
+        if p == LLAMA_SERVER:
+            out.append((p, lambda: servers.llama_server(model, spec.agents, context_per_agent(spec))))
         else:
             out.append((p, lambda p=p: servers.agentserve(model, p, server_args)))
     return out
@@ -71,8 +73,9 @@ async def _drive(target: servers.Target, workload: Workload, duration: float, ti
 @click.option("--workload", default="react", show_default=True, help="react | plan-execute | a TOML file")
 @click.option("--agents", type=int, default=None, help="concurrent agents [default: the workload's]")
 @click.option("--policies", default="agentserve,fcfs", show_default=True,
-              help="comma-separated: AgentServe scheduler policies (agentserve, fcfs, chunked, ...) "
-                   "and/or llamacpp (llama.cpp's llama-server on the same weights)")
+              help="comma-separated: AgentServe scheduler policies (agentserve, fcfs, chunked, llamacpp, "
+                   "...; each a fresh `agentserve up`) and/or llama-server (llama.cpp's own server on "
+                   "the same weights as GGUF, see scripts/compare_llamacpp.sh)")
 @click.option("--duration", type=float, default=120.0, show_default=True, help="seconds per system")
 @click.option("--model", default="bench", show_default=True, help="built-in model or checkpoint folder")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the report")

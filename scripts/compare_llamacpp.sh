@@ -7,7 +7,7 @@
 # 1. builds llama-server once from the llama.cpp tree vendored in the `llama-cpp-python` sdist
 #    (cached under $AGENTSERVE_LLAMA_CACHE, default ~/.cache/agentserve/llama.cpp; ~6 min on 2 cores),
 # 2. writes the model as GGUF with the `gguf` package (agentserve.bench.gguf_export),
-# 3. runs `agentserve bench --policies agentserve,llamacpp`: a fresh AgentServe server, then llama-server
+# 3. runs `agentserve bench --policies agentserve,llama-server`: a fresh AgentServe server, then llama-server
 #    on 127.0.0.1 with -np <agents>, the identical workload against both, one table with the ratios.
 # Not part of CI (the build is too long).
 set -euo pipefail
@@ -71,7 +71,7 @@ echo "gguf: $GGUF"
 [[ $BUILD_ONLY == 1 ]] && exit 0
 
 args=(--workload "$WORKLOAD" --agents "$AGENTS" --duration "$DURATION" --model "$MODEL"
-      --policies agentserve,llamacpp --json "$JSON")
+      --policies agentserve,llama-server --json "$JSON")
 [[ -n "$PLOT" ]] && args+=(--plot "$PLOT")
 AGENTSERVE_LLAMA_SERVER="$BIN" AGENTSERVE_LLAMA_GGUF="$GGUF" agentserve bench "${args[@]}"
 echo "machine: $(uname -m), $(nproc) cores, $(date -u +%Y-%m-%d)"
