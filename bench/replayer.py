@@ -33,8 +33,8 @@ async def _run_task(driver: Driver, task: Task, run: RunRecord, deadline: float,
     session = await driver.open_session()
     try:
         for step, turn in enumerate(task.turns):
-            if turn.wait_s:
-                await asyncio.sleep(turn.wait_s)
+            if turn.wait_s:  # the tool runs; no need to sleep past the end of the run
+                await asyncio.sleep(min(turn.wait_s, max(0.0, deadline - time.perf_counter())))
             if time.perf_counter() >= deadline:
                 return True
             rec = RequestRecord(task.agent, task.index, step, turn.kind, len(turn.prompt_ids),

@@ -57,3 +57,12 @@ def test_a_stuck_request_times_out_instead_of_hanging():
     driver = FakeDriver(token_s=5.0)
     run = asyncio.run(run_closed_loop(driver, w, duration_s=0.1, request_timeout_s=0.2))
     assert len(run.requests) == 1 and "TimeoutError" in run.requests[0].error
+
+
+def test_a_long_tool_wait_does_not_outlast_the_run():
+    w = tiny_workload(agents=2, steps=3, tool_s=30.0)
+    run = asyncio.run(run_closed_loop(FakeDriver(), w, duration_s=0.3))
+    assert run.elapsed < 2.0
+    # only the cold turns ran; the tasks were cut off while their tools ran
+    assert {r.kind for r in run.requests} == {"cold"}
+    assert all(t.end is None for t in run.tasks)

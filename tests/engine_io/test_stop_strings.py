@@ -1,0 +1,62 @@
+"""Stop strings across token boundaries, streamed and one-shot."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentserve.orchestrator.stop_strings import StopStringMatcher, find_stop
+
+
+def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:
+    out = ""
+    for p in pieces:
+        m = matcher.feed(p)
+        out += m.text
+        if m.stopped:
+            return out, True
+    return out + matcher.flush(), False
+
+
+def test_stop_split_across_deltas():
+    m = StopStringMatcher(["</end>"])
+    assert m.feed("hello </e").text == "hello "  # "</e" is held back
+    r = m.feed("nd> tail")
+    assert (r.text, r.stopped, r.stop, r.truncate_at) == ("", True, "</end>", 6)
+
+
+def test_held_text_released_when_it_diverges():
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("ab ST").text == "ab "
+    assert m.feed("ale").text == "STale"
+    assert m.flush() == ""
+
+
+def test_earliest_of_several_stops_wins_and_include_stop():
+    m = StopStringMatcher(["yz", "x"], include_stop=True)
+    r = m.feed("abcxyz")
+    assert (r.text, r.stop, r.truncate_at) == ("abcx", "x", 4)
+    assert m.feed("more").text == ""
+
+
+def test_find_stop_with_new_chars():
+    assert find_stop("aa STOP bb", ["STOP"]) == ("STOP", 3)
+    assert find_stop("aa STOP bb", ["STOP"], new_chars=2) is None  # the match ended before the new text
+    assert find_stop("aa STOP", ["STOP"], new_chars=1) == ("STOP", 3)
+    assert find_stop("abc", ["", "zz"]) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="abcS TOP", max_size=40),
+    stops=st.lists(st.text(alphabet="abcS TOP", min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+)
+def test_streaming_equals_one_shot(text, stops, cuts):
+    """However the text is split into deltas, the output is the text up to the first stop."""
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    out, stopped = feed_all(StopStringMatcher(stops), pieces)
+    hit = find_stop(text, stops)
+    assert stopped == (hit is not None)
+    assert out == (text[: hit[1]] if hit else text)

@@ -1,0 +1,53 @@
+"""The Qwen-style tool-call parser: valid calls, several calls, and malformed output that never raises."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentserve.orchestrator.tool_calls import ToolCall, has_tool_call, parse_tool_calls
+
+
+def test_single_call_and_content():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    r = parse_tool_calls(text)
+    assert r.calls == [ToolCall("get_weather", {"city": "Paris"})]
+    assert r.content == "Let me check."
+    assert r.errors == []
+
+
+def test_several_calls_string_arguments_and_unclosed_last_block():
+    text = ('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>\n'
+            '<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "c", "parameters": {"y": [1, 2]}}')
+    r = parse_tool_calls(text)
+    assert [(c.name, c.arguments) for c in r.calls] == [("a", {"x": 1}), ("b", {}), ("c", {"y": [1, 2]})]
+    assert r.content == "" and r.errors == []
+    assert r.calls[0].arguments_json() == '{"x": 1}'
+
+
+def test_malformed_blocks_become_errors_and_stay_in_content():
+    text = ('ok <tool_call>{"name": "a", "arguments": {</tool_call> '
+            '<tool_call>[1]</tool_call><tool_call>{"arguments": {}}</tool_call>'
+            '<tool_call>{"name": "d", "arguments": 5}</tool_call><tool_call>{"name": "e", "arguments": "nope"}'
+            '</tool_call><tool_call>{"name": "f"}</tool_call>')
+    r = parse_tool_calls(text)
+    assert [c.name for c in r.calls] == ["f"]
+    assert len(r.errors) == 5
+    assert "not valid JSON" in r.errors[0] and "JSON object" in r.errors[1] and "'name'" in r.errors[2]
+    assert "must be a JSON object" in r.errors[3] and "not JSON" in r.errors[4]
+    assert r.content.startswith('ok <tool_call>{"name": "a", "arguments": {</tool_call>')
+
+
+def test_plain_text():
+    r = parse_tool_calls("  just words  ")
+    assert (r.content, r.calls, r.errors) == ("just words", [], [])
+    assert not has_tool_call("just words") and has_tool_call("x <tool_call>")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(['<tool_call>', '</tool_call>', '{', '}', '"name"', ':', '"a"', ',',
+                                 '"arguments"', '[', ']', ' ', 'x', '"', '\\', '1']), max_size=30).map("".join))
+def test_never_raises(text):
+    r = parse_tool_calls(text)
+    assert all(isinstance(c, ToolCall) and isinstance(c.arguments, dict) for c in r.calls)
