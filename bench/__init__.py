@@ -1,1 +1,1 @@
-"""bench"""
+"""Closed-loop agent benchmarks: workloads, drivers, replayer, metrics, report (``agentserve bench``)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import time
 from collections.abc import Callable
 from typing import Any
@@ -98,6 +99,8 @@ def bench(workload: str, agents: int | None, policies: str, duration: float, mod
           steps: int | None, seed: int | None, ttft_slo_ms: float, tpot_slo_ms: float,
           request_timeout: float, server_args: tuple[str, ...]) -> None:
     """Run closed-loop agents against each system for --duration seconds and compare them."""
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        raise click.ClickException("--plot needs matplotlib: pip install matplotlib")
     spec = load_spec(workload, agents=agents, seed=seed, steps_per_task=steps,
                      tool_latency_median_s=tool_latency_median, tool_latency_sigma=tool_latency_sigma)
     wl = Workload(spec)
