@@ -7,9 +7,10 @@ Life cycle::
 
 ``serve`` reads the decision ring on the main thread and routes each message:
 
-- ``Plan``     → the queue of its lane (decode or prefill); each lane is a thread bound to its
-  partition share of the plan's rung for the duration of one step, so a rung change happens only
-  at a step boundary.  Both lanes share one model and one KV cache.
+- ``Plan``     → its lane's :class:`~agentserve.executor.lanes.LaneWorker` (decode or prefill): a
+  thread bound to the lane's share of the plan's rung, rebound only between steps.  A plan waits
+  for the other lane's step that last wrote one of its sequences (a CUDA event on a GPU), so a
+  prefill completes before the first decode.  Both lanes share one model and one KV cache.
 - ``Release``  → drop the sequences' mirrored state (the orchestrator sends it only after all
   their results are back, see :mod:`agentserve.executor.sequences`).
 - ``Shutdown`` → drain both lanes, close, exit 0.
@@ -23,14 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentserve.executor.errors import EngineError
+from agentserve.executor.lanes import LaneWorker, SeqReady
 from agentserve.executor.partition.base import PartitionBackend
 from agentserve.executor.partition.detect import detect
 from agentserve.executor.runner import ModelRunner
@@ -69,43 +69,44 @@ class ExecutorOptions:
     partition: str | None = None  # green-ctx | cuda-streams | cpu-cores | None = detect
 
 
-class LaneLoop(threading.Thread):
-    """One lane: runs its plans in order, each bound to the lane's share of the plan's rung."""
-
-    def __init__(
-        self, lane: Lane, backend: PartitionBackend, execute: Callable[[Plan], list], send: Callable
-    ) -> None:
-        super().__init__(name=f"lane-{lane.name.lower()}", daemon=True)
-        self.lane, self.backend, self.execute, self.send = lane, backend, execute, send
-        self.plans: queue.SimpleQueue[Plan | None] = queue.SimpleQueue()
-
-    def run(self) -> None:
-        last_end = time.monotonic()
-        while (plan := self.plans.get()) is not None:
-            t_start = time.monotonic()
-            try:
-                with self.backend.lane_context(self.lane, plan.rung):
-                    seqs = self.execute(plan)
-            except EngineError as e:
-                log.warning("step %d on %s lane failed: %s", plan.step, self.lane.name, e)
-                self.send(ExecError(str(e), plan.step, [s.seq_id for s in plan.seqs]))
-                continue
-            t_end = time.monotonic()
-            gap_ms = (t_start - last_end) * 1e3
-            last_end = t_end
-            self.send(Result(plan.step, self.lane, plan.rung, seqs, t_start, t_end, gap_ms))
-
-    def stop(self) -> None:
-        self.plans.put(None)
-
-
 class Executor:
     def __init__(self, pair: RingPair, runner: ModelRunner, backend: PartitionBackend) -> None:
         self.pair, self.runner, self.backend = pair, runner, backend
         self.table = SequenceTable(runner.device)
         self.step = StepExecutor(runner, self.table, runner.config.eos_token_ids)
         self._send_lock = threading.Lock()
-        self.lanes = {lane: LaneLoop(lane, backend, self.step.run, self.send) for lane in Lane}
+        top = len(backend.ladder) - 1
+        self.lanes = {lane: LaneWorker(backend, lane, rung=top) for lane in Lane}
+        self.written = SeqReady()  # the step that last wrote each sequence's KV
+        self._last_end = dict.fromkeys(Lane, time.monotonic())
+
+    def submit(self, plan: Plan) -> None:
+        """Queue ``plan`` on its lane, after any other-lane step that still writes its sequences."""
+        ids = [s.seq_id for s in plan.seqs]
+        lane = Lane(plan.lane)
+        step = self.lanes[lane].submit(lambda _: self._run(plan), after=self.written.pending(ids), rung=plan.rung)
+        self.written.mark(ids, step.marker)
+        step.future.add_done_callback(lambda f: self._report_failure(plan, f.exception()))
+
+    def _run(self, plan: Plan) -> None:
+        lane = Lane(plan.lane)
+        t_start = time.monotonic()
+        gap_ms = (t_start - self._last_end[lane]) * 1e3
+        try:
+            seqs = self.step.run(plan)
+        except Exception as e:  # noqa: BLE001 - a failed step is reported, the lane lives on
+            self._last_end[lane] = time.monotonic()
+            self._report_failure(plan, e)
+            return
+        t_end = self._last_end[lane] = time.monotonic()
+        self.send(Result(plan.step, lane, plan.rung, seqs, t_start, t_end, gap_ms))
+
+    def _report_failure(self, plan: Plan, error: BaseException | None) -> None:
+        if error is None:
+            return
+        level = logging.WARNING if isinstance(error, EngineError) else logging.ERROR
+        log.log(level, "step %d on the %s lane failed: %r", plan.step, Lane(plan.lane).name.lower(), error)
+        self.send(ExecError(str(error) or repr(error), plan.step, [s.seq_id for s in plan.seqs]))
 
     def send(self, msg) -> None:
         with self._send_lock:
@@ -138,8 +139,6 @@ class Executor:
         finally:
             for lane in self.lanes.values():
                 lane.stop()
-            for lane in self.lanes.values():
-                lane.join(timeout=10)
 
     def _dispatch(self) -> str:
         while True:
@@ -148,9 +147,10 @@ class Executor:
             except TimeoutError:
                 continue
             if isinstance(msg, Plan):
-                self.lanes[Lane(msg.lane)].plans.put(msg)
+                self.submit(msg)
             elif isinstance(msg, Release):
                 self.table.release(msg.seq_ids)
+                self.written.drop(msg.seq_ids)
             elif isinstance(msg, Reconfigure):
                 log.info("reconfigure %s (rungs are chosen per plan)", msg)
             elif isinstance(msg, Shutdown):

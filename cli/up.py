@@ -1,0 +1,198 @@
+"""``agentserve up``: start the orchestrator and its executor process and serve agent clients.
+
+Precedence for every setting: built-in defaults (``configs/*.toml``) < ``--config FILE`` <
+``AGENTSERVE_<SECTION>_<KEY>`` environment variables < command-line flags.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import click
+
+from agentserve import configs
+from agentserve.configs.logging import setup_logging
+from agentserve.orchestrator.config import load_config
+from agentserve.orchestrator.endpoints import EndpointError, default_endpoint
+from agentserve.orchestrator.executor_link import ExecutorLink, ExecutorSpec, ExecutorStartError
+from agentserve.orchestrator.ingress import Ingress
+from agentserve.orchestrator.policies import POLICIES
+from agentserve.orchestrator.protocol import Welcome
+from agentserve.orchestrator.server import ExecutorDownError, Server, ServerOptions
+from agentserve.orchestrator.stats_publisher import StatsPublisher
+from agentserve.orchestrator.tokenization import Tokenizer
+from agentserve.shm.errors import ShmError
+from agentserve.shm.segment import cleanup_stale
+
+log = logging.getLogger("agentserve.up")
+
+
+def _executor_args(engine: dict[str, Any], partition: str | None) -> list[str]:
+    args = [
+        "--dtype",
+        str(engine["dtype"]),
+        "--device",
+        str(engine["device"]),
+        "--block-size",
+        str(engine["block_size"]),
+    ]
+    if engine.get("num_blocks"):
+        args += ["--num-blocks", str(engine["num_blocks"])]
+    if engine.get("kv_cache_memory_gb"):
+        args += ["--kv-cache-bytes", str(int(float(engine["kv_cache_memory_gb"]) * 2**30))]
+    if engine.get("max_model_len"):
+        args += ["--max-model-len", str(engine["max_model_len"])]
+    if partition:
+        args += ["--partition", partition]
+    return args
+
+
+def _resolve_model(name: str, cache_dir: str) -> str:
+    from agentserve.executor.builtin import resolve_model  # torch-free: writes a checkpoint folder
+
+    return str(resolve_model(name, cache_dir or None))
+
+
+@click.command("up")
+@click.option("--model", default=None, help="Checkpoint folder, or a built-in model: tiny | bench.")
+@click.option("--policy", type=click.Choice(sorted(POLICIES)), default=None, help="Scheduling policy.")
+@click.option("--endpoint", default=None, help="ipc://PATH or tcp://127.0.0.1:PORT (default: an ipc socket).")
+@click.option("--allow-remote", is_flag=True, help="Allow binding a non-loopback TCP address.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="A TOML file.")
+@click.option("--tpot-slo-ms", type=float, default=None, help="TPOT target the controller steers by.")
+@click.option("--ttft-slo-ms", type=float, default=None, help="TTFT objective (reported).")
+@click.option("--dtype", default=None, help="auto | bfloat16 | float16 | float32")
+@click.option("--device", default=None, help="auto | cpu | cuda")
+@click.option("--num-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory).")
+@click.option("--kv-cache-gb", type=float, default=None, help="KV cache size in GiB.")
+@click.option("--max-model-len", type=int, default=None, help="Context length cap.")
+@click.option("--partition", type=click.Choice(["green-ctx", "cuda-streams", "cpu-cores"]), default=None)
+@click.option("--run", "run_name", default="default", show_default=True, help="Run name (`agentserve top --run`).")
+@click.option("--no-restart", is_flag=True, help="Exit instead of restarting a crashed executor.")
+@click.option("--log-level", default="INFO", show_default=True)
+@click.option("--log-json", is_flag=True, help="JSON log lines.")
+def up(**opts: Any) -> None:
+    """Serve agent clients over ZeroMQ on one GPU (or the CPU)."""
+    setup_logging(opts["log_level"], opts["log_json"])
+    try:
+        code = _up(opts)
+    except (configs.ConfigError, EndpointError, ExecutorStartError, ShmError, ValueError) as e:
+        click.echo(f"agentserve up: {e}", err=True)
+        code = 2
+    sys.exit(code)
+
+
+def _configs(opts: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    engine_overrides = {
+        "engine": {
+            k: v
+            for k, v in {
+                "model": opts["model"],
+                "dtype": opts["dtype"],
+                "device": opts["device"],
+                "num_blocks": opts["num_blocks"],
+                "kv_cache_memory_gb": opts["kv_cache_gb"],
+                "max_model_len": opts["max_model_len"],
+            }.items()
+            if v is not None
+        }
+    }
+    engine = configs.load("engine", opts["config_file"], engine_overrides)["engine"]
+    sched_overrides: dict[str, Any] = {}
+    if opts["policy"]:
+        sched_overrides["scheduler"] = {"policy": opts["policy"]}
+    slo = {k: opts[f] for k, f in (("tpot_target_ms", "tpot_slo_ms"), ("ttft_target_ms", "ttft_slo_ms")) if opts[f]}
+    if slo:
+        sched_overrides["slo"] = slo
+    return engine, load_config(opts["config_file"], sched_overrides)
+
+
+def _up(opts: dict[str, Any]) -> int:
+    engine, sched_config = _configs(opts)
+    run = opts["run_name"]
+    removed = cleanup_stale()
+    if removed:
+        log.info("removed %d shared-memory leftovers of dead runs", len(removed))
+    model_dir = _resolve_model(str(engine["model"]), str(engine.get("cache_dir", "")))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    policy = sched_config.scheduler.policy
+    ingress = Ingress(opts["endpoint"] or default_endpoint(run), allow_remote=opts["allow_remote"])
+    publisher = link = None
+    try:
+        publisher = StatsPublisher(
+            run, ingress.endpoint, model_dir, sched_config.slo.tpot_target_ms, sched_config.slo.ttft_target_ms
+        )
+        spec = ExecutorSpec(
+            run, model_dir, _executor_args(engine, opts["partition"]), opts["log_level"], opts["log_json"]
+        )
+        link = ExecutorLink(spec)
+        t0 = time.monotonic()
+        with _Status() as status:
+            ready = link.start(progress=lambda s: status.update(f"loading the model … {s:.0f} s"))
+        ingress.info = Welcome(
+            0, 0, server="agentserve", model=model_dir, max_model_len=ready.max_model_len, run=run, pid=os.getpid()
+        )
+        server = Server(
+            ingress, link, tokenizer, ServerOptions(policy, sched_config, restart=not opts["no_restart"]), publisher
+        )
+        _on_signals(server.stop)
+        click.echo(
+            f"AgentServe ready on {ingress.endpoint} · model {model_dir} · policy {policy} · "
+            f"{ready.backend} ({len(ready.ladder)} rungs) · KV {ready.num_blocks * ready.block_size} tokens · "
+            f"loaded in {time.monotonic() - t0:.1f} s · run {run}"
+        )
+        sys.stdout.flush()
+        try:
+            server.serve()
+        except ExecutorDownError as e:
+            click.echo(f"agentserve up: executor died and --no-restart is set: {e}", err=True)
+            return 1
+        log.info("shut down cleanly")
+        return 0
+    finally:
+        if link is not None:
+            link.close()
+        if publisher is not None:
+            publisher.close()
+        ingress.close()
+
+
+class _Status:
+    """A one-line spinner on stderr while the executor loads (plain lines when not a terminal)."""
+
+    def __enter__(self) -> _Status:
+        from rich.console import Console
+
+        self._console = Console(stderr=True)
+        self._status = self._console.status("starting the executor …") if self._console.is_terminal else None
+        if self._status is not None:
+            self._status.__enter__()
+        self._last = -10.0
+        return self
+
+    def update(self, text: str) -> None:
+        if self._status is not None:
+            self._status.update(text)
+            return
+        elapsed = time.monotonic()
+        if elapsed - self._last >= 10.0:
+            self._last = elapsed
+            self._console.print(text)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._status is not None:
+            self._status.__exit__(*exc)
+
+
+def _on_signals(stop: Any) -> None:
+    def handler(signum: int, frame: object) -> None:
+        log.info("received %s; stopping", signal.Signals(signum).name)
+        stop()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)

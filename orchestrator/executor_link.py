@@ -1,0 +1,176 @@
+"""The orchestrator's end of one executor process: spawn it, talk over the rings, notice its death.
+
+The rings are the only channel.  A reader thread blocks on the result ring (the semaphore wait
+releases the GIL) and hands each message to the orchestrator loop through a queue, writing one
+byte to a pipe so the loop's single ``zmq.Poller`` wakes for results and for client frames alike.
+If the executor dies, the reader's wait raises ``PeerDied`` within a second and the loop receives
+an :class:`ExecutorDown` in the same queue.
+
+Each (re)start uses a fresh ring pair (``exec<N>``), so a restart never reads a half-written
+message of the dead process.  Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from agentserve.shm.channel import RingPair
+from agentserve.shm.errors import PeerDied, RingClosed, ShmError
+from agentserve.shm.messages import WIRE_VERSION, ExecError, Ready, Shutdown
+
+log = logging.getLogger("agentserve.orchestrator.executor")
+
+
+class ExecutorStartError(RuntimeError):
+    """The executor could not be started or failed before it was ready."""
+
+
+@dataclass(frozen=True)
+class ExecutorDown:
+    """Not a ring message: the reader thread reports that the executor is gone."""
+
+    reason: str
+
+
+@dataclass
+class ExecutorSpec:
+    """How to start the executor process (arguments of ``python -m agentserve.executor``)."""
+
+    run: str
+    model_dir: str
+    args: list[str] = field(default_factory=list)
+    log_level: str = "INFO"
+    log_json: bool = False
+
+    def command(self, role: str) -> list[str]:
+        cmd = [sys.executable, "-m", "agentserve.executor", "--run", self.run, "--role", role]
+        cmd += ["--model", self.model_dir, "--log-level", self.log_level, *self.args]
+        return [*cmd, "--log-json"] if self.log_json else cmd
+
+
+class ExecutorLink:
+    def __init__(self, spec: ExecutorSpec) -> None:
+        self.spec = spec
+        self.generation = -1
+        self.pair: RingPair | None = None
+        self.proc: subprocess.Popen | None = None
+        self.ready: Ready | None = None
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._reader: threading.Thread | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self, timeout: float = 600.0, progress: Callable[[float], None] | None = None) -> Ready:
+        """Spawn a fresh executor on fresh rings and wait for its ``Ready``."""
+        self.generation += 1
+        role = f"exec{self.generation}"
+        self.pair = RingPair.create(self.spec.run, role)
+        # its own session: a Ctrl-C in the terminal reaches only the orchestrator, which stops it in order
+        self.proc = subprocess.Popen(self.spec.command(role), stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pair.expect_peer(self.proc.pid)
+        self.ready = self._await_ready(timeout, progress)
+        if self.ready.wire_version != WIRE_VERSION:
+            raise ExecutorStartError(f"executor speaks ring protocol {self.ready.wire_version}, not {WIRE_VERSION}")
+        self._reader = threading.Thread(target=self._read, args=(self.pair,), name="result-reader", daemon=True)
+        self._reader.start()
+        return self.ready
+
+    def _await_ready(self, timeout: float, progress: Callable[[float], None] | None) -> Ready:
+        t0 = time.monotonic()
+        assert self.pair is not None and self.proc is not None
+        while time.monotonic() - t0 < timeout:
+            try:
+                msg = self.pair.recv(timeout=0.25)
+            except TimeoutError:
+                if progress is not None:
+                    progress(time.monotonic() - t0)
+                continue
+            except (PeerDied, RingClosed):
+                code = self.proc.wait()
+                raise ExecutorStartError(f"executor exited with code {code} before it was ready") from None
+            if isinstance(msg, Ready):
+                return msg
+            if isinstance(msg, ExecError):
+                self.proc.wait(timeout=10)
+                raise ExecutorStartError(msg.message)
+        raise ExecutorStartError(f"executor not ready after {timeout:.0f} s")
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """Ask the executor to shut down, wait, and release the rings; returns its exit code."""
+        code = None
+        if self.proc is not None:
+            if self.proc.poll() is None and self.pair is not None:
+                try:
+                    self.pair.send(Shutdown("orchestrator stopping"), timeout=1.0)
+                except ShmError as e:
+                    log.debug("could not send Shutdown: %s", e)
+            code = self._reap(timeout)
+        if self.pair is not None:
+            self.pair.close()  # wakes the reader thread with RingClosed
+        if self._reader is not None:
+            self._reader.join(timeout=2.0)
+        self.pair, self.proc, self._reader = None, None, None
+        return code
+
+    def _reap(self, timeout: float) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("executor did not exit within %.0f s; killing it", timeout)
+            self.proc.kill()
+            return self.proc.wait()
+
+    def close(self) -> None:
+        self.stop()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+
+    # ---- traffic ----------------------------------------------------------------------------
+    def send(self, msg: msgspec.Struct) -> None:
+        assert self.pair is not None
+        self.pair.send(msg)
+
+    def fileno(self) -> int:
+        """Readable when :meth:`drain` has something (for ``zmq.Poller``)."""
+        return self._wake_r
+
+    def drain(self) -> list[object]:
+        """Every message the reader thread has queued (results, errors, ExecutorDown)."""
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 65536)
+        out = []
+        while True:
+            try:
+                out.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _read(self, pair: RingPair) -> None:
+        while True:
+            try:
+                msg: object = pair.recv()
+            except PeerDied as e:
+                msg = ExecutorDown(f"executor died: {e}")
+            except RingClosed:
+                return
+            except ShmError as e:
+                msg = ExecutorDown(f"result ring failed: {e}")
+            self.inbox.put(msg)
+            with contextlib.suppress(BlockingIOError):  # a full pipe already holds a wake-up
+                os.write(self._wake_w, b"\0")
+            if isinstance(msg, ExecutorDown):
+                return

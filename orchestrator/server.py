@@ -1,0 +1,293 @@
+"""The orchestrator process loop: clients ⇄ ingress ⇄ scheduler ⇄ rings ⇄ executor.
+
+One thread owns everything here.  Each turn of the loop::
+
+    wait (zmq.Poller: the ingress socket and the executor link's wake-up pipe)
+    ├─ client requests  → sessions, tokenisation, scheduler.submit / abort / close
+    ├─ executor results → scheduler.on_result → TokenEvents → detokenised client events
+    ├─ scheduler.schedule() → Plans / Releases onto the decision ring
+    └─ every ``stats_interval_s``: a snapshot onto the stats board
+
+Failure rules: bad client input gets a typed error and nothing else changes; if the executor
+dies, every running turn gets ``Error(executor_failed)`` at once, then the executor is restarted on
+fresh rings and a fresh scheduler (sessions keep their conversations and are re-prefilled on their
+next turn) — or, with ``restart=False``, the loop ends with an error.  ``stop()`` (SIGINT/SIGTERM)
+aborts running turns with ``Error(server_shutdown)`` and returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from agentserve.orchestrator.config import SchedulerConfig
+from agentserve.orchestrator.conversation import Conversation
+from agentserve.orchestrator.events import TokenEvent as SchedEvent
+from agentserve.orchestrator.executor_link import ExecutorDown, ExecutorLink
+from agentserve.orchestrator.ingress import ClientGone, Ingress
+from agentserve.orchestrator.protocol import (
+    Abort,
+    CloseSession,
+    ErrorCode,
+    GetStats,
+    OpenSession,
+    ProtocolError,
+    SessionClosed,
+    SessionOpened,
+    StatsReply,
+    Turn,
+)
+from agentserve.orchestrator.scheduler import Scheduler
+from agentserve.orchestrator.stats_publisher import StatsPublisher
+from agentserve.orchestrator.tokenization import Tokenizer
+from agentserve.orchestrator.turn_stream import TurnStream
+from agentserve.shm.messages import ExecError, Finish, Result
+
+log = logging.getLogger("agentserve.orchestrator")
+
+
+@dataclass
+class SessionRecord:
+    session: int
+    client: bytes
+    name: str
+    conversation: Conversation
+    parse_tools: bool = True
+    turn: TurnStream | None = None
+    turns: int = 0
+    scheduled: bool = False  # opened in the current scheduler
+    last: TurnStream | None = None  # the previous turn (for `top`)
+
+
+@dataclass
+class ServerOptions:
+    policy: str
+    scheduler_config: SchedulerConfig
+    restart: bool = True
+    stats_interval_s: float = 0.1
+
+
+@dataclass
+class Server:
+    ingress: Ingress
+    link: ExecutorLink
+    tokenizer: Tokenizer
+    options: ServerOptions
+    publisher: StatsPublisher
+    clock: Callable[[], float] = time.monotonic
+    sessions: dict[int, SessionRecord] = field(default_factory=dict)
+    by_seq: dict[int, SessionRecord] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.sched = self._new_scheduler()
+        self.stop_token_ids = frozenset(self.link.ready.eos_token_ids) if self.link.ready else frozenset()
+        self._next_session = 1
+        self._running = True
+        self._poller = zmq.Poller()
+        self._poller.register(self.ingress.socket, zmq.POLLIN)
+        self._poller.register(self.link.fileno(), zmq.POLLIN)
+        self._next_stats = 0.0
+
+    def _new_scheduler(self) -> Scheduler:
+        assert self.link.ready is not None
+        return Scheduler(self.options.policy, self.link.ready, self.options.scheduler_config, clock=self.clock)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._running = False
+
+    def serve(self) -> None:
+        """Run until :meth:`stop`; then abort what runs and return."""
+        while self._running:
+            self.step(timeout_ms=self._wait_ms())
+        for rec in list(self.sessions.values()):
+            if rec.turn is not None:
+                self._fail_turn(rec, ErrorCode.SERVER_SHUTDOWN, "the server is shutting down")
+
+    def step(self, timeout_ms: int) -> None:
+        ready = dict(self._poller.poll(timeout_ms))
+        if self.link.fileno() in ready:
+            self._on_executor(self.link.drain())
+        for client, msg in self.ingress.poll(0):
+            self._on_client(client, msg)
+        self._emit(self.sched.take_events())
+        for msg in self.sched.schedule():
+            self.link.send(msg)
+        now = self.clock()
+        if now >= self._next_stats:
+            self._next_stats = now + self.options.stats_interval_s
+            self.publisher.publish(self, now)
+
+    def _wait_ms(self) -> int:
+        """Block until input when the scheduler has nothing to plan; otherwise just poll."""
+        return 50 if self.sched.idle() else 5
+
+    # ---- executor side ------------------------------------------------------------------------
+    def _on_executor(self, msgs: list[object]) -> None:
+        for msg in msgs:
+            if isinstance(msg, Result):
+                self.publisher.on_result(msg)
+                self._emit(self.sched.on_result(msg))
+            elif isinstance(msg, ExecError):
+                log.warning("executor error at step %d: %s", msg.step, msg.message)
+                self._emit(self.sched.on_error(msg))
+            elif isinstance(msg, ExecutorDown):
+                self._executor_down(msg.reason)
+                return
+
+    def _executor_down(self, reason: str) -> None:
+        log.error("%s", reason)
+        for rec in self.sessions.values():
+            if rec.turn is not None:
+                self._fail_turn(rec, ErrorCode.EXECUTOR_FAILED, reason)
+            rec.scheduled = False
+        self.by_seq.clear()
+        self.link.stop(timeout=2.0)
+        if not self.options.restart:
+            self._running = False
+            raise ExecutorDownError(reason)
+        log.info("restarting the executor")
+        self.link.start()
+        self.sched = self._new_scheduler()
+
+    def _emit(self, events: list[SchedEvent]) -> None:
+        for ev in events:
+            rec = self.by_seq.get(ev.seq_id)
+            if rec is None or rec.turn is None or rec.turn.seq_id != ev.seq_id:
+                continue
+            turn = rec.turn
+            if ev.token_id >= 0:
+                out = turn.on_token(ev.token_id, ev.t)
+                if out is not None:
+                    self.ingress.send(rec.client, out)
+                if turn.stopped_by_string and not ev.finished:
+                    self._emit(self.sched.abort(ev.seq_id))  # now, or when its step is back
+                    continue
+            if ev.finished:
+                self._finish_turn(rec, ev.finish, ev.t)
+
+    def _finish_turn(self, rec: SessionRecord, finish: Finish, t: float) -> None:
+        turn = rec.turn
+        assert turn is not None
+        cached = self._cached_tokens(turn)
+        for event in turn.finish(finish, t, cached):
+            self.ingress.send(rec.client, event)
+        rec.conversation.commit(
+            bool(rec.conversation.raw), turn.prompt, turn.messages, turn.output_ids(), turn.raw_text()
+        )
+        self.sched.end_turn(turn.seq_id, in_tool_call=turn.tool_calls_made)
+        self.by_seq.pop(turn.seq_id, None)
+        rec.last, rec.turn = turn, None
+        self.publisher.on_turn_done(turn)
+
+    def _cached_tokens(self, turn: TurnStream) -> int:
+        req = self.sched.ended.get(turn.seq_id) or self.sched.requests.get(turn.seq_id)
+        return req.num_cached if req is not None else 0
+
+    def _fail_turn(self, rec: SessionRecord, code: ErrorCode, message: str) -> None:
+        turn = rec.turn
+        assert turn is not None
+        self.ingress.send(rec.client, ProtocolError(code, message, turn.req, rec.session).to_event())
+        self.by_seq.pop(turn.seq_id, None)
+        rec.turn = None
+
+    # ---- client side --------------------------------------------------------------------------
+    def _on_client(self, client: bytes, msg: object) -> None:
+        try:
+            if isinstance(msg, OpenSession):
+                self._open(client, msg)
+            elif isinstance(msg, Turn):
+                self._turn(client, msg)
+            elif isinstance(msg, Abort):
+                self._abort(self._owned(client, msg.session, msg.req), msg.turn)
+            elif isinstance(msg, CloseSession):
+                self._close(self._owned(client, msg.session, msg.req))
+                self.ingress.send(client, SessionClosed(msg.req, msg.session))
+            elif isinstance(msg, GetStats):
+                self.ingress.send(client, StatsReply(msg.req, self.publisher.encode(self, self.clock())))
+            elif isinstance(msg, ClientGone):
+                for rec in [r for r in self.sessions.values() if r.client == client]:
+                    self._close(rec)
+        except ProtocolError as e:
+            self.ingress.send(client, e.to_event())
+
+    def _owned(self, client: bytes, session: int, req: int) -> SessionRecord:
+        rec = self.sessions.get(session)
+        if rec is None or rec.client != client:
+            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"no session {session} on this connection", req, session)
+        return rec
+
+    def _open(self, client: bytes, msg: OpenSession) -> None:
+        conv = Conversation(system=msg.system, tools=list(msg.tools))
+        try:
+            prompt_tokens = conv.system_prompt_tokens(self.tokenizer)
+        except Exception as e:  # a template that cannot render these tools
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"cannot render the system prompt: {e}", msg.req) from None
+        rec = SessionRecord(self._next_session, client, msg.options.name, conv, msg.options.parse_tool_calls)
+        self._next_session += 1
+        self.sessions[rec.session] = rec
+        self.ingress.send(client, SessionOpened(msg.req, rec.session, prompt_tokens))
+
+    def _turn(self, client: bytes, msg: Turn) -> None:
+        rec = self._owned(client, msg.session, msg.req)
+        if rec.turn is not None:
+            raise ProtocolError(
+                ErrorCode.TURN_IN_PROGRESS,
+                f"session {rec.session} is still running turn {rec.turn.req}",
+                msg.req,
+                rec.session,
+            )
+        prompt, messages = rec.conversation.prompt_for(msg, self.tokenizer)
+        max_len = self.sched.max_len
+        if len(prompt) >= max_len:
+            raise ProtocolError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"the conversation is {len(prompt)} tokens; this server's context holds {max_len - 1}",
+                msg.req,
+                rec.session,
+            )
+        if not rec.scheduled:
+            self.sched.open_session(str(rec.session))
+            rec.scheduled = True
+        arrival = self.clock()
+        try:
+            seq_id = self.sched.submit(str(rec.session), prompt, msg.sampling_params(), full_prompt=True, now=arrival)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.INVALID_SAMPLING, str(e), msg.req, rec.session) from None
+        turn = TurnStream(
+            msg.req,
+            rec.session,
+            seq_id,
+            self.tokenizer,
+            list(msg.stop),
+            self.stop_token_ids,
+            rec.parse_tools,
+            arrival,
+            prompt,
+            messages,
+        )
+        rec.conversation.raw = bool(msg.token_ids)
+        rec.turn, rec.turns = turn, rec.turns + 1
+        self.by_seq[seq_id] = rec
+
+    def _abort(self, rec: SessionRecord, turn_req: int) -> None:
+        if rec.turn is None or (turn_req and turn_req != rec.turn.req):
+            return  # nothing runs, or a late abort of a turn that already ended
+        self._emit(self.sched.abort(rec.turn.seq_id))
+
+    def _close(self, rec: SessionRecord) -> None:
+        if rec.turn is not None:
+            self._emit(self.sched.abort(rec.turn.seq_id))
+            if rec.turn is not None:  # still in flight: its events will find no session
+                self.by_seq.pop(rec.turn.seq_id, None)
+        if rec.scheduled:
+            self._emit(self.sched.close_session(str(rec.session)))
+        del self.sessions[rec.session]
+
+
+class ExecutorDownError(RuntimeError):
+    """The executor died and the server was told not to restart it."""
