@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
+from shm_helpers import SESSION, ours
 
 from agentserve.shm import segment as sg
 
 _counter = itertools.count()
-SESSION = f"t{os.getpid()}"
-
-
-def ours(run_prefix: str = SESSION) -> list[str]:
-    """Our /dev/shm entries (segments and semaphores) whose run starts with ``run_prefix``."""
-    head = f"{sg.PREFIX}-{run_prefix}"
-    return sg.list_segments(head) + sg.list_segments("sem." + head)
 
 
 @pytest.fixture
