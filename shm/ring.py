@@ -37,13 +37,17 @@ Why a reader never sees a half-written slot:
 * Order: payload and length are stored *before* the flag; the reader loads the flag *before* the
   payload; the reader is done with the payload *before* it stores EMPTY.  CPython does each of
   these as a separate C call (``memcpy`` inside the interpreter), so the compiler cannot move one
-  across another.  On x86-64 (TSO) the hardware keeps store→store and load→load order, so this is
-  already enough there.  On weakly ordered CPUs (AArch64, POWER) it is not: stores may become
-  visible out of order.  So both sides call :func:`~agentserve.shm.segment.fence` at the three
-  hand-over points (writer: between payload and flag; reader: between flag and payload, and
-  between payload and EMPTY).  The fence is a lock acquire + release: an atomic
-  read-modify-write, a full barrier on x86-64 and, in practice, on AArch64 (a ``dmb``-backed or
-  ``casal`` sequence); it costs ~0.1 µs.
+  across another.  On x86-64 (TSO) the hardware keeps store→store, load→load and load→store
+  order, so nothing more is needed there (``segment.TSO``: these three points cost nothing).
+  Weakly ordered CPUs (AArch64, POWER) may make stores visible out of order, so there both sides
+  call :func:`~agentserve.shm.segment.fence` at the three hand-over points.
+* The fence is a lock acquire + release, an atomic read-modify-write: a full barrier on x86-64
+  (``lock cmpxchg``), ~0.1 µs.  On AArch64 it is acquire/release ordering through glibc's
+  semaphore atomics, which is what vLLM relies on too but is weaker than a ``dmb ish`` in the
+  architecture's model; a two-line C extension issuing a real barrier would close that gap.
+  Only x86-64 is tested here.
+* The slot length is a 4-byte aligned store through a ``uint32`` memoryview (one instruction);
+  it needs no atomicity anyway, since only the slot's current owner touches it.
 
 Waiting (vLLM ``shm_broadcast`` history: lost wake-ups, 100 % CPU spinning):
 
@@ -58,6 +62,10 @@ Waiting (vLLM ``shm_broadcast`` history: lost wake-ups, 100 % CPU spinning):
    ``RingClosed`` within ~100 ms, never a hang.  A reader drains what is left before raising.
 
 An idle parked reader wakes 10 times a second to check its peer: ~0 % of a core.
+
+Threads: each end serialises its calls with a lock, so one end may be shared by threads of its
+process; :meth:`close` may come from any thread — a call waiting in another thread is woken with
+``RingClosed`` and the unmapping happens as it leaves.  :meth:`shutdown` is signal-handler safe.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import threading
 import time
 from typing import Any
 
@@ -129,11 +138,14 @@ class _RingEnd:
         self._index = 0
         self._expected_peer = 0
         self._shut = False
+        self._close_pending = False
         self._released = False
+        self._op = threading.Lock()  # one call at a time; close() waits for it to leave
         me = 0 if self._side == "writer" else 2
-        pid = os.getpid()
-        self._pids[me + 1] = sg.process_start_time(pid)
-        self._pids[me] = pid
+        self._pid = os.getpid()
+        self._pids[me + 1] = sg.process_start_time(self._pid)
+        self._pids[me] = self._pid
+        self._peer_pid = 0
 
     # -- identity --------------------------------------------------------------------------
 
@@ -143,18 +155,22 @@ class _RingEnd:
 
     @property
     def pid(self) -> int:
-        return int(self._pids[0 if self._side == "writer" else 2])
+        return self._pid
 
     @property
     def peer_pid(self) -> int:
         """The peer's pid once it attached, else the one given to :meth:`expect_peer`, else 0."""
-        return int(self._pids[2 if self._side == "writer" else 0]) or self._expected_peer
+        if not self._released:
+            self._peer_pid = int(self._pids[2 if self._side == "writer" else 0])
+        return self._peer_pid or self._expected_peer
 
     def expect_peer(self, pid: int) -> None:
         """Watch ``pid`` (e.g. a just-spawned child) for death until the peer attaches itself."""
         self._expected_peer = pid
 
     def peer_alive(self) -> bool:
+        if self._released:
+            return False
         slot = 2 if self._side == "writer" else 0
         pid, start = int(self._pids[slot]), int(self._pids[slot + 1])
         if pid:
@@ -206,42 +222,58 @@ class _RingEnd:
     # -- shutdown --------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Mark this end closed and wake both sides; safe from another thread or a signal handler.
+        """Mark this end closed and wake both sides; safe from any thread or a signal handler.
 
         A waiting peer (and a waiting call of this end) returns promptly with ``RingClosed``.
         """
-        if self._shut or self._released:
-            return
         self._shut = True
-        self._buf[_WRITER_CLOSED if self._side == "writer" else _READER_CLOSED] = 1
-        sg.fence()
+        with contextlib.suppress(TypeError, ValueError):  # TypeError/ValueError: already unmapped
+            self._buf[_WRITER_CLOSED if self._side == "writer" else _READER_CLOSED] = 1
+            sg.fence()
         for sem in (self._data_sem, self._space_sem):
             with contextlib.suppress(posix_ipc.ExistentialError):
                 sem.release()
 
     def close(self) -> None:
-        """Shut down, unmap, close the semaphores; the creator also unlinks every name.
+        """Shut down, unlink every name (creator only), then unmap and close the semaphores.
 
-        Call it from the thread that uses this end (use :meth:`shutdown` from elsewhere).
+        Safe from any thread: a call of this end in flight in another thread is woken with
+        ``RingClosed`` and the unmapping happens when it has left.
         """
-        if self._released:
-            return
         self.shutdown()
-        self._released = True
-        owner = self._seg.owner
-        sg.remove_semaphore(self._data_sem, owner)
-        sg.remove_semaphore(self._space_sem, owner)
-        self._pids = None
-        self._lens.release()
-        self._buf = None
-        self._seg.close()
+        if self._seg.owner:
+            self._seg.unlink()
+            for sem in (self._data_sem, self._space_sem):
+                sg.unlink_semaphore(sem.name)
+        self._close_pending = True
+        self._finish_close()
+
+    def _finish_close(self) -> None:
+        if self._released or not self._op.acquire(False):
+            return  # done already, or a call is in flight: it finishes the close on its way out
+        try:
+            if self._released:
+                return
+            self._released = True
+            for sem in (self._data_sem, self._space_sem):
+                with contextlib.suppress(posix_ipc.ExistentialError):
+                    sem.close()
+            self._pids = None
+            self._lens.release()
+            self._buf = None
+            self._seg.close()
+        finally:
+            self._op.release()
 
     @property
     def closed(self) -> bool:
         """True once either end closed the ring."""
-        if self._released:
+        if self._shut:
             return True
-        return bool(self._shut or self._buf[_WRITER_CLOSED] or self._buf[_READER_CLOSED])
+        try:
+            return bool(self._buf[_WRITER_CLOSED] or self._buf[_READER_CLOSED])
+        except (TypeError, ValueError):  # unmapped meanwhile
+            return True
 
     def __enter__(self):
         return self
@@ -320,6 +352,18 @@ class RingWriter(_RingEnd):
         forever, ``0``: do not wait), ``MessageTooLarge`` if it exceeds a slot, ``PeerDied`` /
         ``RingClosed`` if the reader went away.
         """
+        op = self._op
+        op.acquire()
+        try:
+            self._put(msg, timeout)
+        finally:
+            op.release()
+            if self._close_pending:
+                self._finish_close()
+
+    def _put(self, msg: Payload | msgspec.Struct, timeout: float | None) -> None:
+        if self._shut:
+            raise RingClosed(f"ring {self.name} is closed")
         kind = type(msg)
         if kind is bytes or kind is bytearray:
             data = msg
@@ -334,7 +378,7 @@ class RingWriter(_RingEnd):
         if n > self.slot_size:
             raise MessageTooLarge(n, self.slot_size)
         buf = self._buf
-        if self._shut or buf[_READER_CLOSED]:
+        if buf[_READER_CLOSED]:
             raise RingClosed(f"ring {self.name} is closed")
         i = self._index
         off = self._offsets[i]
@@ -380,13 +424,26 @@ class RingReader(_RingEnd):
         return self._take(timeout, bytes)
 
     def poll(self) -> bool:
-        """Whether a message is ready (never blocks)."""
-        return self._buf[self._offsets[self._index]] != EMPTY
+        """Whether a message is ready (never blocks; ``False`` once closed)."""
+        try:
+            return self._buf[self._offsets[self._index]] != EMPTY
+        except (TypeError, ValueError):  # closed: unmapped
+            return False
 
     def _take(self, timeout: float | None, convert: Any) -> Any:
-        buf = self._buf
+        op = self._op
+        op.acquire()
+        try:
+            return self._take_locked(timeout, convert)
+        finally:
+            op.release()
+            if self._close_pending:
+                self._finish_close()
+
+    def _take_locked(self, timeout: float | None, convert: Any) -> Any:
         if self._shut:
             raise RingClosed(f"ring {self.name} is closed")
+        buf = self._buf
         i = self._index
         off = self._offsets[i]
         flag = buf[off]

@@ -330,6 +330,12 @@ def open_semaphore(name: str) -> posix_ipc.Semaphore:
         raise SegmentNotFound(f"no semaphore {name}") from None
 
 
+def unlink_semaphore(name: str) -> None:
+    """Remove a semaphore's name (open handles keep working) and forget its cleanup."""
+    _unlink_sem(name)
+    unregister_cleanup(name)
+
+
 def remove_semaphore(sem: posix_ipc.Semaphore, owner: bool) -> None:
     """Close ``sem`` and, for its creator, unlink the name."""
     name = sem.name

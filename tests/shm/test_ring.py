@@ -10,6 +10,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from shm_helpers import ours
 
 from agentserve.shm.channel import RingPair
 from agentserve.shm.errors import CorruptFrame, MessageTooLarge, RingClosed, RingTimeout
@@ -130,22 +131,41 @@ def test_blocked_writer_resumes_when_the_reader_frees_a_slot(run):
         assert done.is_set() and got == list(range(20))
 
 
+def _blocked_get(r: RingReader, errors: list) -> threading.Thread:
+    def wait():
+        try:
+            r.get_bytes(timeout=30)
+        except Exception as e:  # noqa: BLE001 — the type is the assertion
+            errors.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.3)  # past the spin: parked on the semaphore
+    return t
+
+
 def test_shutdown_wakes_a_waiting_reader_with_ring_closed(run):
     with ring(run) as (_w, r):
-        errors = []
-
-        def wait():
-            try:
-                r.get_bytes(timeout=30)
-            except Exception as e:  # noqa: BLE001 — the type is the assertion
-                errors.append(e)
-
-        t = threading.Thread(target=wait)
-        t.start()
-        time.sleep(0.3)  # past the spin: parked on the semaphore
+        errors: list = []
+        t = _blocked_get(r, errors)
         r.shutdown()
         t.join(5)
         assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], RingClosed)
+
+
+def test_close_from_another_thread_wakes_the_waiter_then_unmaps(run):
+    w = RingWriter.create(run, "r", 4, 64)
+    r = RingReader.attach(run, "r")
+    errors: list = []
+    t = _blocked_get(r, errors)
+    w.close()  # the owner goes first: names are gone at once
+    assert ours(run) == []
+    r.close()  # from this thread, while the other one waits in get()
+    t.join(5)
+    assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], RingClosed)
+    assert r._released and not r.poll() and r.closed
+    with pytest.raises(RingClosed):
+        r.get_bytes(timeout=0)
 
 
 def test_writer_close_lets_the_reader_drain_then_raises_ring_closed(run):
