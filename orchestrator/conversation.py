@@ -5,7 +5,8 @@ cache (an executor restart, an eviction).  Every turn is submitted as the *full*
 scheduler reuses whatever prefix is still cached.  In chat mode the prompt is the chat template
 rendered over all messages, the model's own replies included verbatim, so the re-rendered prefix
 is token-identical to what is cached.  In raw mode (benchmarks) the prompt is the previous tokens,
-the model's output, and the turn's new token ids.  A session uses one mode.
+the model's output, and the turn's new token ids, after the templated system prompt and tools if
+the session has them.  A session uses one mode.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class Conversation:
                 turn.session,
             )
         if raw:
-            return self.tokens + list(turn.token_ids), self.messages
+            base = self.tokens if self.raw is not None else self.system_tokens(tokenizer)
+            return base + list(turn.token_ids), self.messages
         messages = self.messages + [message_dict(m) for m in turn.messages]
         prompt = tokenizer.encode_chat(self.head() + messages, self.tools or None, add_generation_prompt=True)
         return prompt, messages
@@ -62,8 +64,9 @@ class Conversation:
         self.tokens = prompt + output_ids
         self.messages = messages if raw else [*messages, {"role": "assistant", "content": text}]
 
-    def system_prompt_tokens(self, tokenizer: Tokenizer) -> int:
+    def system_tokens(self, tokenizer: Tokenizer) -> list[int]:
+        """The templated system prompt and tool schemas (empty without either)."""
         head = self.head()
         if not head and not self.tools:
-            return 0
-        return len(tokenizer.encode_chat(head, self.tools or None, add_generation_prompt=False))
+            return []
+        return tokenizer.encode_chat(head, self.tools or None, add_generation_prompt=False)

@@ -224,7 +224,7 @@ class Server:
     def _open(self, client: bytes, msg: OpenSession) -> None:
         conv = Conversation(system=msg.system, tools=list(msg.tools))
         try:
-            prompt_tokens = conv.system_prompt_tokens(self.tokenizer)
+            prompt_tokens = len(conv.system_tokens(self.tokenizer))
         except Exception as e:  # a template that cannot render these tools
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"cannot render the system prompt: {e}", msg.req) from None
         rec = SessionRecord(self._next_session, client, msg.options.name, conv, msg.options.parse_tool_calls)

@@ -15,9 +15,13 @@ def _our_segments() -> set[str]:
     return {n for n in os.listdir(SHM_DIR) if "agentserve" in n}
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def no_leftover_shared_memory():
-    """Every test must leave /dev/shm as it found it: no segment or semaphore of ours stays behind."""
+    """Every test module must leave /dev/shm as it found it: no segment or semaphore of ours stays behind.
+
+    Module scope, so a server shared by a module's tests is checked after it stops; tests/shm checks
+    each test on its own as well.
+    """
     before = _our_segments()
     yield
     leaked = _our_segments() - before
