@@ -82,17 +82,19 @@ def _process(cmd: list[str], ready: Callable[[subprocess.Popen, Path], bool], ti
 def agentserve_command(model: str, policy: str, endpoint: str, extra: list[str]) -> list[str]:
     """The command line of one AgentServe server (adapt here if ``agentserve up`` changes)."""
     exe = Path(sys.executable).with_name("agentserve")
+    run = f"bench{os.getpid()}-{policy}"  # its own shared-memory names, whatever else runs here
     return [str(exe) if exe.is_file() else "agentserve", "up", "--model", model, "--policy", policy,
-            "--endpoint", endpoint, *extra]
+            "--endpoint", endpoint, "--run", run, *extra]
 
 
 @contextlib.contextmanager
 def agentserve(model: str, policy: str, extra: list[str] | None = None,
                timeout_s: float = 600.0) -> Iterator[Target]:
-    """A fresh ``agentserve up`` with ``policy``; ready once it prints its endpoint."""
+    """A fresh ``agentserve up`` with ``policy``; ready once it prints a line with "ready" and its endpoint."""
     sock_dir = Path(tempfile.mkdtemp(prefix="agentserve-bench-ipc-"))
     endpoint = f"ipc://{sock_dir}/ingress.sock"
-    ready = lambda proc, log: endpoint in log.read_text(errors="replace")
+    ready = lambda proc, log: any(endpoint in line and "ready" in line.lower()
+                                  for line in log.read_text(errors="replace").splitlines())
     try:
         with _process(agentserve_command(model, policy, endpoint, extra or []), ready, timeout_s):
             yield Target(policy, lambda: SDKDriver(endpoint, name=policy))

@@ -47,6 +47,7 @@ def test_agentserve_launcher_waits_for_the_endpoint_and_stops_the_server(monkeyp
     script = ("import signal, sys, time\n"
               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
               "time.sleep(0.3); print('listening on', sys.argv[1], flush=True)\n"
+              "time.sleep(0.3); print('ready on', sys.argv[1], flush=True)\n"
               "while True: time.sleep(1)\n")
     monkeypatch.setattr(servers, "agentserve_command", _fake_up(script))
     with servers.agentserve("tiny", "fcfs", timeout_s=20) as target:

@@ -15,10 +15,13 @@ import pytest
 
 def _up_registered() -> bool:
     try:
+        import click
+
         from agentserve.cli.main import main
     except ImportError:
         return False
-    return "up" in getattr(main, "commands", {})
+    ctx = click.Context(main)
+    return "up" in main.list_commands(ctx) and main.get_command(ctx, "up") is not None
 
 
 pytestmark = [
