@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import PurePath
 
 from rich import box
 from rich.console import Group, RenderableType
@@ -53,7 +54,7 @@ def header(snap: Snapshot) -> Text:
     srv = snap.server
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append("AgentServe", style="bold")
-    t.append(f"  {srv.model or '?'}", style="cyan")
+    t.append(f"  {PurePath(srv.model).name or '?'}", style="cyan")
     t.append(f"  {snap.control.policy or '?'}", style="magenta")
     t.append(f"  pid {srv.pid}  up {_uptime(srv.uptime_s)}")
     t.append(f"  {srv.endpoint}", style="dim")
@@ -62,8 +63,8 @@ def header(snap: Snapshot) -> Text:
 
 def _grid() -> Table:
     g = Table.grid(padding=(0, 1))
-    g.add_column(style="bold", no_wrap=True)
-    g.add_column(overflow="fold")
+    g.add_column(style="bold", no_wrap=True, min_width=7)
+    g.add_column(no_wrap=True, overflow="ellipsis")  # one line per row, whatever the width
     return g
 
 
@@ -76,11 +77,13 @@ def partition_block(snap: Snapshot) -> Table:
         f"{rung}  decode {p.decode_units} {p.unit} · prefill {p.prefill_units} {p.unit} of {p.total_units}",
     )
     g.add_row("backend", Text(f"{p.backend or '?'}", style="cyan") + Text(f"  {p.reason}", style="dim"))
-    g.add_row(
-        "control",
-        f"B_prefill {c.b_prefill}/{c.b_prefill_max}  R_min {c.r_min}  "
-        f"band {_ms(c.tpot_low_ms)}–{_ms(c.tpot_high_ms)} ms  moves {c.adjustments}",
-    )
+    parts = [f"B_prefill {c.b_prefill}" + (f"/{c.b_prefill_max}" if c.b_prefill_max else "")]
+    if c.r_min:
+        parts.append(f"R_min {c.r_min}")
+    if c.tpot_high_ms:
+        parts.append(f"band {_ms(c.tpot_low_ms)}–{_ms(c.tpot_high_ms)} ms")
+    parts.append(f"moves {c.adjustments}")
+    g.add_row("control", "  ".join(parts))
     return g
 
 

@@ -122,9 +122,7 @@ class AgentClient(ClientBase):
         parse_tool_calls: bool = True,
     ) -> Session:
         """Open a session: a conversation whose KV the server keeps between turns."""
-        opened = self._call(
-            open_request(self._next_req(), system, tools, name, parse_tool_calls), SessionOpened
-        )
+        opened = self._call(open_request(self._next_req(), system, tools, name, parse_tool_calls), SessionOpened)
         return Session(self, opened)
 
     def stats(self) -> bytes:
@@ -150,9 +148,7 @@ class Session(SessionBase):
         super().__init__(client, opened)
         self._active: TurnStream | None = None
 
-    def turn(
-        self, messages: str | Iterable[MessageLike] | None = None, **options: Unpack[TurnOptions]
-    ) -> TurnStream:
+    def turn(self, messages: str | Iterable[MessageLike] | None = None, **options: Unpack[TurnOptions]) -> TurnStream:
         """Start a turn: queued tool results, then ``messages`` (a str is a user message).
 
         Raw-token mode: ``turn(token_ids=[...], ignore_eos=True, max_tokens=N)``.  An unfinished

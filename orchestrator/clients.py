@@ -39,9 +39,7 @@ class ClientTable:
         """The session if ``client`` owns it, else ``ProtocolError(UNKNOWN_SESSION)``."""
         entry = self._sessions.get(session)
         if entry is None or entry.client != client:
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_SESSION, f"no session {session} on this connection", req, session
-            )
+            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"no session {session} on this connection", req, session)
         return entry
 
     def begin_turn(self, client: bytes, session: int, req: int) -> SessionEntry:

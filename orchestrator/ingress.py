@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 import zmq
+
 from agentserve.orchestrator.endpoints import EndpointError, check_bind, default_endpoint, ipc_path
 from agentserve.orchestrator.protocol import (
     PROTOCOL_VERSION,
@@ -176,9 +177,7 @@ class Ingress:
         """Send one event; False (and a ClientGone on the next poll) if the client is gone."""
         return self._send_raw(client_id, self._codec.encode(event))
 
-    def send_error(
-        self, client_id: bytes, code: ErrorCode, message: str, req: int = 0, session: int = 0
-    ) -> bool:
+    def send_error(self, client_id: bytes, code: ErrorCode, message: str, req: int = 0, session: int = 0) -> bool:
         self.counters[f"error.{ErrorCode(code).value}"] += 1
         return self.send(client_id, Error(req=req, code=code, message=message, session=session))
 

@@ -19,7 +19,8 @@ Tool results are not a message of their own: they are ``Message(role="tool", ...
 the next :class:`Turn`, which is what starts the resume prefill anyway.  A session keeps its
 conversation on the server: a turn sends only what is new since the last turn (the model's
 own reply is already in the context).  A turn with ``token_ids`` appends those tokens raw, with
-no chat template (benchmarks); a turn gives ``messages`` or ``token_ids``, never both.
+no chat template (benchmarks); a turn gives ``messages`` or ``token_ids``, never both, and a
+session keeps to the mode of its first turn.
 
 Versioning: ``PROTOCOL_VERSION`` is carried by :class:`Hello` and :class:`OpenSession`; a server
 answers any other version with ``Error(code=UNSUPPORTED_VERSION)``.  New fields are only ever
@@ -34,6 +35,7 @@ import enum
 from typing import Any
 
 import msgspec
+
 from agentserve.shm.messages import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -234,9 +236,7 @@ class Error(_Wire, tag="error"):
 
 
 ClientMessage = Hello | OpenSession | Turn | Abort | CloseSession | GetStats
-ServerEvent = (
-    Welcome | SessionOpened | TokenEvent | ToolCallEvent | TurnDone | SessionClosed | StatsReply | Error
-)
+ServerEvent = Welcome | SessionOpened | TokenEvent | ToolCallEvent | TurnDone | SessionClosed | StatsReply | Error
 
 CLIENT_TAGS = frozenset(t.__struct_config__.tag for t in ClientMessage.__args__)
 SERVER_TAGS = frozenset(t.__struct_config__.tag for t in ServerEvent.__args__)

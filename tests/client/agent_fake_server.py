@@ -190,9 +190,7 @@ class EchoServer:
         tpot = ((now - gen.t_first) * 1e3 / (n - 1)) if n > 1 else 0.0
         usage = Usage(gen.prompt_tokens, gen.cached_tokens, n)
         timings = Timings(0.0, ttft, tpot, (now - gen.t0) * 1e3)
-        self.ingress.send(
-            gen.client, TurnDone(gen.req, gen.session, reason, usage, timings, now, time.time())
-        )
+        self.ingress.send(gen.client, TurnDone(gen.req, gen.session, reason, usage, timings, now, time.time()))
 
     def snapshot(self) -> Snapshot:
         rows = [

@@ -225,25 +225,19 @@ def test_tcp_loopback_binds_with_a_wildcard_port():
         assert ing.endpoint.startswith("tcp://127.0.0.1:") and not ing.endpoint.endswith("*")
 
 
-@pytest.mark.parametrize(
-    "ep", ["tcp://0.0.0.0:5555", "tcp://192.168.1.4:5555", "tcp://*:5555", "tcp://eth0:1"]
-)
+@pytest.mark.parametrize("ep", ["tcp://0.0.0.0:5555", "tcp://192.168.1.4:5555", "tcp://*:5555", "tcp://eth0:1"])
 def test_non_loopback_tcp_needs_the_allow_flag(ep):
     with pytest.raises(EndpointError, match="allow-remote"):
         check_bind(ep)
     assert check_bind(ep, allow_remote=True) == ep
 
 
-@pytest.mark.parametrize(
-    "ep", ["tcp://127.0.0.1:5555", "tcp://localhost:1", "tcp://[::1]:80", "ipc:///tmp/a"]
-)
+@pytest.mark.parametrize("ep", ["tcp://127.0.0.1:5555", "tcp://localhost:1", "tcp://[::1]:80", "ipc:///tmp/a"])
 def test_loopback_and_ipc_are_fine(ep):
     assert check_bind(ep) == ep
 
 
-@pytest.mark.parametrize(
-    "ep", ["http://127.0.0.1:80", "ipc://relative.sock", "tcp://127.0.0.1", "inproc://x"]
-)
+@pytest.mark.parametrize("ep", ["http://127.0.0.1:80", "ipc://relative.sock", "tcp://127.0.0.1", "inproc://x"])
 def test_nonsense_endpoints_are_refused(ep):
     with pytest.raises(EndpointError):
         check_bind(ep)

@@ -39,9 +39,7 @@ from agentserve.orchestrator.protocol import (
 
 REQUESTS = [
     Hello(1, PROTOCOL_VERSION, "c"),
-    OpenSession(
-        2, PROTOCOL_VERSION, "sys", [{"type": "function", "function": {"name": "f"}}], SessionOptions("n")
-    ),
+    OpenSession(2, PROTOCOL_VERSION, "sys", [{"type": "function", "function": {"name": "f"}}], SessionOptions("n")),
     Turn(
         3,
         1,
@@ -102,11 +100,7 @@ def test_any_bytes_decode_or_raise_a_protocol_error(data):
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=5), st.none(), st.booleans()), max_size=6
-    )
-)
+@given(st.lists(st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=5), st.none(), st.booleans()), max_size=6))
 def test_arrays_with_a_request_tag_never_escape_as_other_exceptions(fields):
     import msgspec
 

@@ -38,7 +38,7 @@ def test_80x24_fits_and_shows_every_block():
     lines = screen(realistic(12), 80, 24)
     text = "\n".join(lines)
     assert len(lines) <= 24 and max(map(len, lines)) <= 80
-    for needle in ("rung    3/9", "green_ctx", "B_prefill 256/1024", "TPOT p50 41.5", "p95 640",
+    for needle in ("rung    3/9", "green_ctx", "B_prefill 256/1024", "p50 41.5", "p95 640",
                    "cold 2  resume 1  decode 4", "1830/4096", "prefix hits 73%", "decode 88%",
                    "react-agent-1", "prefilling", "in_tool", "+"):  # fmt: skip
         assert needle in text, needle
@@ -52,6 +52,16 @@ def test_200_columns_puts_blocks_side_by_side_and_lists_all_sessions():
     assert all(f"react-agent-{i}" in "\n".join(lines) for i in range(1, 7))
     assert "more" not in "\n".join(lines)
     assert len(lines) < len(screen(realistic(6), 80, None))
+
+
+def test_long_backend_reason_and_model_path_stay_on_one_line_at_80x24():
+    snap = realistic(30)
+    snap.partition.reason = "green-ctx unavailable: " + "no driver; " * 30
+    snap.server.model = "/root/.cache/agentserve/models/" + "very-long-model-name-" * 5
+    lines = screen(snap, 80, 24)
+    assert len(lines) <= 24 and max(map(len, lines)) <= 80
+    assert any(ln.startswith("backend cpu") or ln.startswith("backend green_ctx") for ln in lines)
+    assert "/root/.cache" not in lines[0]  # the header names the model, not its folder
 
 
 def test_empty_snapshot_renders():
