@@ -127,3 +127,28 @@ def test_gpu_ordering_uses_stream_events_not_host_sync() -> None:
 def test_marker_timeout() -> None:
     with pytest.raises(TimeoutError):
         Marker().wait(timeout=0.01)
+
+
+def test_one_thread_lane_spawns_no_intra_op_workers(cpu: CpuCoresBackend) -> None:
+    """torch 2.13 (OpenMP + MKL): set_num_threads is per thread once torch's lazy per-thread init ran.
+
+    With the process at 2+ threads, a lane bound to 1 core runs a GEMM and a parallel_for without
+    creating any OS thread, so its intra-op count really is its own."""
+    if len(cpu.cores) < 2:
+        pytest.skip("needs two cores")
+    torch.set_num_threads(len(cpu.cores))
+
+    def tasks() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    def work(binding):
+        before = tasks()
+        a = torch.randn(512, 512)
+        a @ a
+        torch.randn(2_000_000).exp_()
+        return binding.threads, torch.get_num_threads(), before, tasks()
+
+    with LaneWorker(cpu, Lane.DECODE, rung=0) as lane:
+        threads, seen, before, after = lane.submit(work).result(30)
+    assert threads == seen == 1
+    assert after == before
