@@ -143,9 +143,7 @@ class LaneWorker:
         self._bind_error: BaseException | None = None
         self._count = 0
         self._stopping = False
-        self._thread = threading.Thread(
-            target=self._run, name=name or f"lane-{self.lane.name.lower()}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=name or f"lane-{self.lane.name.lower()}", daemon=True)
 
     def start(self, timeout: float = 10.0) -> LaneWorker:
         self._thread.start()
@@ -239,8 +237,6 @@ class LaneWorker:
         end = time.monotonic()
         item.step.marker.complete(binding)
         item.step.future.set_result(result)
-        self.timings.append(
-            StepTiming(self._count, binding.rung.index, start - last_end, start - t_wait, start, end)
-        )
+        self.timings.append(StepTiming(self._count, binding.rung.index, start - last_end, start - t_wait, start, end))
         self._count += 1
         return end

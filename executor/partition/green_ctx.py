@@ -67,9 +67,7 @@ class GreenCtxBackend(StreamBackend):
         call(drv, "cuInit", 0)
         version = int(call(drv, "cuDriverGetVersion"))
         if version < MIN_DRIVER:
-            raise BackendUnavailable(
-                f"driver supports CUDA {version_str(version)}; green contexts need >= 12.4"
-            )
+            raise BackendUnavailable(f"driver supports CUDA {version_str(version)}; green contexts need >= 12.4")
         dev = call(drv, "cuDeviceGet", index)
         for symbol in NEEDED:
             require_symbol(drv, symbol, version)
@@ -91,11 +89,7 @@ class GreenCtxBackend(StreamBackend):
                 }
                 ladder.append(rung)
         raw_name = call(drv, "cuDeviceGetName", 256, dev)
-        name = (
-            raw_name.split(b"\0", 1)[0].decode(errors="replace")
-            if isinstance(raw_name, bytes)
-            else str(raw_name)
-        )
+        name = raw_name.split(b"\0", 1)[0].decode(errors="replace") if isinstance(raw_name, bytes) else str(raw_name)
         note = (
             f"CUDA Green Contexts (driver CUDA {version_str(version)}): {total} SMs, {gran_note}; "
             f"{len(ladder) - 1} partitioned rungs verified with cuGreenCtxGetDevResource, "
@@ -109,12 +103,8 @@ class GreenCtxBackend(StreamBackend):
         if min_size and align:
             return Granularity(min_size, align, "driver"), f"min {min_size} SMs, alignment {align} (queried)"
         attr = self._drv.CUdevice_attribute
-        major = int(
-            call(self._drv, "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
-        )
-        minor = int(
-            call(self._drv, "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
-        )
+        major = int(call(self._drv, "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))
+        minor = int(call(self._drv, "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))
         gran = granularity_from_cc(major, minor)
         return gran, (
             f"min {gran.min_size} SMs, alignment {gran.align} from the documented CC {major}.{minor} table "
@@ -128,9 +118,7 @@ class GreenCtxBackend(StreamBackend):
         if getattr(drv, "cuDevSmResourceSplitByCount", None) is not None:
             results, groups, remaining = call(drv, "cuDevSmResourceSplitByCount", 1, resource, 0, decode_sms)
             if int(groups) < 1:
-                raise CudaCallError(
-                    "cuDevSmResourceSplitByCount", f"made {groups} groups of {decode_sms} SMs"
-                )
+                raise CudaCallError("cuDevSmResourceSplitByCount", f"made {groups} groups of {decode_sms} SMs")
             return results[0], remaining
         params = drv.CU_DEV_SM_RESOURCE_GROUP_PARAMS()
         params.smCount = decode_sms
@@ -143,8 +131,7 @@ class GreenCtxBackend(StreamBackend):
         if got_d < rung.decode_units or got_p < 1 or got_d + got_p > total:
             raise CudaCallError(
                 "split",
-                f"gave {got_d}+{got_p} SMs for rung {rung.index} "
-                f"(asked {rung.decode_units}+{rung.prefill_units})",
+                f"gave {got_d}+{got_p} SMs for rung {rung.index} (asked {rung.decode_units}+{rung.prefill_units})",
             )
         self._streams[rung.index] = {
             Lane.DECODE: self._green_stream(dev, decode_res, got_d, high),
@@ -159,9 +146,7 @@ class GreenCtxBackend(StreamBackend):
         self._contexts.append(ctx)
         got = call(drv, "cuGreenCtxGetDevResource", ctx, drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
         if int(got.sm.smCount) != sms:
-            raise CudaCallError(
-                "cuGreenCtxGetDevResource", f"reports {got.sm.smCount} SMs, the split gave {sms}"
-            )
+            raise CudaCallError("cuGreenCtxGetDevResource", f"reports {got.sm.smCount} SMs, the split gave {sms}")
         flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
         raw = call(drv, "cuGreenCtxStreamCreate", ctx, flags, priority)
         self._raw_streams.append(raw)

@@ -86,9 +86,7 @@ def build_ladder(total: int, gran: Granularity, shares: tuple[float, ...] = DEFA
         d = snap(share, total, gran)
         if d is not None and d not in sizes:
             sizes.append(d)
-    rungs = [
-        Rung(index=i, decode_units=d, prefill_units=total - d, partitioned=True) for i, d in enumerate(sizes)
-    ]
+    rungs = [Rung(index=i, decode_units=d, prefill_units=total - d, partitioned=True) for i, d in enumerate(sizes)]
     rungs.append(Rung(index=len(rungs), decode_units=total, prefill_units=total, partitioned=False))
     return rungs
 

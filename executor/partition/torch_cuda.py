@@ -19,9 +19,7 @@ class TorchCuda:
         if torch.version.cuda is None:
             return f"torch {torch.__version__} is a CPU build (torch.version.cuda is None)"
         if not torch.cuda.is_available():
-            return (
-                f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {torch.version.cuda})"
-            )
+            return f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {torch.version.cuda})"
         if self.index >= torch.cuda.device_count():
             return f"no CUDA device {self.index} (device_count {torch.cuda.device_count()})"
         return None

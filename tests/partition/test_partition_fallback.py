@@ -41,9 +41,7 @@ def test_cuda_error_falls_back_to_streams(fname: str, code: CUresult) -> None:
     expected = f"green-ctx unavailable: cuda.bindings: {fname} returned {code.name} ({int(code)})"
     assert expected in backend.reason
     assert "torch.cuda.green_contexts" in backend.reason  # the torch path was tried too, and said why not
-    assert backend.reason.endswith(
-        "cuda-streams: two CUDA streams (decode priority -5, prefill 0); not partitioned"
-    )
+    assert backend.reason.endswith("cuda-streams: two CUDA streams (decode priority -5, prefill 0); not partitioned")
     assert [(r.decode_units, r.prefill_units, r.partitioned) for r in backend.ladder] == [(132, 132, False)]
     assert not gpu.drv.live_streams and not gpu.drv.live_contexts, "a failed build tears down what it made"
     assert not gpu.drv.violations
