@@ -5,8 +5,8 @@ Layout of the segment ``/agentserve-<run>-<role>`` (after the 64-byte segment he
     64   slots u32 · slot_size u32 · stride u32 · ring version u32
     80   writer pid i64 · writer start time i64 · reader pid i64 · reader start time i64
     128  writer_closed u8 · reader_closed u8
-    192  reader_waiting u8          (its own cache line: written by the reader only)
-    256  writer_waiting u8          (its own cache line: written by the writer only)
+    192  reader_parked_on u32      (its own cache line: written by the reader only)
+    256  writer_parked_on u32      (its own cache line: written by the writer only)
     320  slot 0 · slot 1 · …         (stride = 8 + slot_size rounded up to 64 bytes)
 
     slot:  +0 flag u8 · +4 length u32 · +8 payload[slot_size]
@@ -51,12 +51,19 @@ Why a reader never sees a half-written slot:
 
 Waiting (vLLM ``shm_broadcast`` history: lost wake-ups, 100 % CPU spinning):
 
-1. spin on the flag for ``spin_s`` (default 1 ms) — the common case when the peer is active;
-2. park: set my ``*_waiting`` byte, fence, re-check the flag, then ``sem.acquire(slice)`` (it
-   releases the GIL; slice ≤ 100 ms) and re-check the flag after every wake-up, timeout or not.
-   The poster stores its flag, fences, then posts the semaphore if it sees the waiting byte.
-   Both sides store-fence-load (Dekker), so at least one sees the other: no lost wake-up, and if
-   one were lost anyway the slice bounds it to 100 ms.  Stray posts only cause one re-check.
+1. spin on the flag for ``spin_s`` (default 1 ms), calling ``sched_yield`` between checks — the
+   common case when the peer is active.  A yield that took > 50 µs means another task had the
+   CPU (a contended machine): then park at once, since the scheduler favours a woken sleeper
+   over a task that yielded;
+2. park: store "parked on slot k" (k + 1, a u32 of my own cache line), fence, re-check the
+   flag, then ``sem.acquire(slice)`` (it releases the GIL; slice ≤ 100 ms), re-checking the flag
+   after every wake-up, timeout or not.  The peer, after flipping slot i, fences and posts the
+   semaphore only if the parked-on word says i + 1.  Both sides store-fence-load (Dekker), so at
+   least one sees the other: no lost wake-up (and a lost one would cost one slice, not a hang).
+   A reader parks on its next slot; a writer facing a full ring parks on the slot a quarter of
+   the ring ahead, so it wakes once per ``slots / 4`` freed slots instead of once per slot (it
+   still takes the first free slot at its next slice, so a reader that stops early costs ≤ 100 ms,
+   never a deadlock).  Stray posts only cause one extra re-check.
 3. Between slices the waiter checks that the peer pid is alive (zombies count as dead, a
    recycled pid is caught by its start time) and that nobody closed the ring: ``PeerDied`` or
    ``RingClosed`` within ~100 ms, never a hang.  A reader drains what is left before raising.
@@ -88,7 +95,7 @@ from .messages import Codec
 RING_VERSION = 1
 EMPTY = 0
 FULL = 1
-DEFAULT_SPIN_S = 0.001
+DEFAULT_SPIN_S = 200e-6
 PARK_SLICE_S = 0.1
 
 _GEOM = struct.Struct("<IIII")  # slots, slot_size, stride, ring version
@@ -96,11 +103,12 @@ _GEOM_OFF = 64
 _PIDS_OFF = 80  # 4 x i64: writer pid, writer start, reader pid, reader start
 _WRITER_CLOSED = 128
 _READER_CLOSED = 129
-_READER_WAITING = 192
-_WRITER_WAITING = 256
+_READER_WAITING = 192 // 4  # u32 index: slot the parked reader waits on, + 1 (0: not parked)
+_WRITER_WAITING = 256 // 4  # u32 index: slot the parked writer waits on, + 1
 _SLOTS_OFF = 320
 _SLOT_HDR = 8
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+_LOST_CPU_S = 50e-6  # a sched_yield that took this long gave the CPU away
 _acquire, _release = sg.fence_lock.acquire, sg.fence_lock.release
 _ORDER = not sg.TSO  # whether the hand-over points need a fence on this CPU
 
@@ -179,24 +187,35 @@ class _RingEnd:
 
     # -- waiting ---------------------------------------------------------------------------
 
-    def _wait_while(self, off: int, busy: int, timeout: float | None, sem: Any, waiting_off: int) -> None:
-        """Return once ``flag[off] != busy``: spin, then park on ``sem`` (see module docstring)."""
+    def _wait_while(
+        self, off: int, busy: int, timeout: float | None, sem: Any, waiting: int, park: int
+    ) -> None:
+        """Return once ``flag[off] != busy``: spin on it, then park until slot ``park`` changes.
+
+        ``waiting`` is this side's u32 "parked on slot" word (see module docstring).
+        """
         buf = self._buf
         spin_s = self.spin_s if timeout is None else min(self.spin_s, timeout)
         for _ in range(64):
             if buf[off] != busy:
                 return
-        spin_end = time.perf_counter() + spin_s
-        while time.perf_counter() < spin_end:
+        clock = time.perf_counter
+        now = clock()
+        spin_end = now + spin_s
+        while now < spin_end:
             _yield()  # a free core returns at once; a shared one runs the peer meanwhile
             if buf[off] != busy:
                 return
+            before, now = now, clock()
+            if now - before > _LOST_CPU_S:  # another task ran: the CPU is contended, so park
+                break  # (a woken sleeper is scheduled sooner than a yielder comes back)
+        park_off = self._offsets[park]
         deadline = None if timeout is None else time.monotonic() + timeout
-        buf[waiting_off] = 1
+        self._lens[waiting] = park + 1
         try:
             while True:
                 sg.fence()
-                if buf[off] != busy:
+                if buf[park_off] != busy or buf[off] != busy:  # the latter: at least every slice
                     return
                 self._check_open()
                 if not self.peer_alive():
@@ -210,7 +229,7 @@ class _RingEnd:
                 with contextlib.suppress(posix_ipc.BusyError):
                     sem.acquire(wait)
         finally:
-            buf[waiting_off] = 0
+            self._lens[waiting] = 0
 
     def _check_open(self) -> None:
         if self._shut or self._buf[_WRITER_CLOSED] or self._buf[_READER_CLOSED]:
@@ -344,6 +363,7 @@ class RingWriter(_RingEnd):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._scratch = bytearray(self.slot_size)
+        self._refill = self.slots // 4
 
     def put(self, msg: Payload | msgspec.Struct, timeout: float | None = None) -> None:
         """Publish ``msg`` (raw bytes, or a Struct encoded with this end's codec).
@@ -383,7 +403,9 @@ class RingWriter(_RingEnd):
         i = self._index
         off = self._offsets[i]
         if buf[off] != EMPTY:
-            self._wait_while(off, FULL, timeout, self._space_sem, _WRITER_WAITING)
+            # the ring is full; wake up only when a quarter of it is free again (fewer wake-ups)
+            park = (i + self._refill) % self.slots
+            self._wait_while(off, FULL, timeout, self._space_sem, _WRITER_WAITING, park)
             if buf[off] != EMPTY:
                 raise CorruptFrame(f"slot {i} of {self.name} has flag {buf[off]} (expected 0 or 1)")
         self._lens[(off >> 2) + 1] = n
@@ -394,7 +416,7 @@ class RingWriter(_RingEnd):
         self._index = i + 1 if i + 1 < self.slots else 0
         _acquire()  # full fence: flag before reading reader_waiting (Dekker with a parking reader)
         _release()
-        if buf[_READER_WAITING]:
+        if self._lens[_READER_WAITING] == i + 1:
             self._data_sem.release()
 
     def _timeout_message(self, timeout: float | None) -> str:
@@ -449,7 +471,7 @@ class RingReader(_RingEnd):
         flag = buf[off]
         if flag != FULL:
             if flag == EMPTY:
-                self._wait_while(off, EMPTY, timeout, self._data_sem, _READER_WAITING)
+                self._wait_while(off, EMPTY, timeout, self._data_sem, _READER_WAITING, i)
                 flag = buf[off]
             if flag != FULL:
                 raise CorruptFrame(f"slot {i} of {self.name} has flag {flag} (expected 0 or 1)")
@@ -471,7 +493,7 @@ class RingReader(_RingEnd):
             self._index = i + 1 if i + 1 < self.slots else 0
             _acquire()  # full fence: flag before reading writer_waiting (Dekker with a parking writer)
             _release()
-            if buf[_WRITER_WAITING]:
+            if self._lens[_WRITER_WAITING] == i + 1:
                 self._space_sem.release()
 
     def _timeout_message(self, timeout: float | None) -> str:

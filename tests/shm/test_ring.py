@@ -131,6 +131,19 @@ def test_blocked_writer_resumes_when_the_reader_frees_a_slot(run):
         assert done.is_set() and got == list(range(20))
 
 
+def test_parked_writer_takes_a_single_freed_slot_without_waiting_for_more(run):
+    with ring(run, slots=8) as (w, r):
+        for i in range(8):
+            w.put(bytes([i]))
+        t = threading.Thread(target=lambda: w.put(b"\x08", timeout=10))
+        t.start()
+        time.sleep(0.3)  # the writer parks on the slot a quarter ahead
+        assert r.get_bytes(timeout=1) == b"\x00"  # free one slot only, then stop reading
+        t.join(5)
+        assert not t.is_alive()
+        assert [r.get_bytes(timeout=1)[0] for _ in range(8)] == list(range(1, 9))
+
+
 def _blocked_get(r: RingReader, errors: list) -> threading.Thread:
     def wait():
         try:
