@@ -1,0 +1,84 @@
+"""One lane step under construction: the policy adds requests, the batch turns them into SeqPlans.
+
+The policy decides *what* runs (which requests, how many tokens); the batch asks its host (the
+scheduler) for the blocks — admission, growth, preemption — and writes the wire form: only the
+block-table entries the executor does not have yet, and the sampling parameters once per
+(re)admission.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from agentserve.orchestrator.request import Phase, ReqState, Request
+from agentserve.shm.messages import Lane, SamplingParams, SeqPlan
+
+
+class BatchHost(Protocol):
+    def admit(self, req: Request, batch: Batch) -> bool: ...
+
+    def grow(self, req: Request, num_positions: int, batch: Batch) -> bool: ...
+
+    def sampling_for(self, req: Request) -> SamplingParams: ...
+
+
+class Batch:
+    __slots__ = (
+        "host", "lane", "max_seqs", "now", "entries", "seqs", "in_batch", "num_decode",
+        "num_prefill_tokens", "blocked",
+    )  # fmt: skip
+
+    def __init__(self, host: BatchHost, lane: Lane, max_seqs: int, now: float) -> None:
+        self.host, self.lane, self.max_seqs, self.now = host, lane, max_seqs, now
+        self.entries: list[tuple[Request, int, bool]] = []  # (request, tokens fed, sampled)
+        self.seqs: list[SeqPlan] = []
+        self.in_batch: set[int] = set()
+        self.num_decode = 0
+        self.num_prefill_tokens = 0
+        self.blocked = False  # an admission failed for lack of blocks
+
+    @property
+    def full(self) -> bool:
+        return len(self.seqs) >= self.max_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode + self.num_prefill_tokens
+
+    def decode(self, req: Request) -> bool:
+        """Add one decode token of ``req``; False if it cannot run this step."""
+        if self.full or req.state is not ReqState.DECODE or req.inflight or req.seq_id in self.in_batch:
+            return False
+        if not self.host.grow(req, len(req.tokens), self):
+            return False
+        self._add(req, [req.tokens[-1]], True)
+        self.num_decode += 1
+        return True
+
+    def prefill(self, req: Request, max_tokens: int, phase: Phase | None = None) -> int:
+        """Add up to ``max_tokens`` prompt tokens of ``req`` (admitting it); return how many."""
+        if self.full or max_tokens <= 0 or req.inflight or req.seq_id in self.in_batch:
+            return 0
+        if req.state is ReqState.WAITING and not self.host.admit(req, self):
+            return 0
+        if req.state is not ReqState.PREFILL or (phase is not None and req.phase is not phase):
+            return 0
+        start = req.num_computed
+        n = min(max_tokens, len(req.tokens) - start)
+        self._add(req, req.tokens[start : start + n], start + n == len(req.tokens))
+        self.num_prefill_tokens += n
+        req.queued_since = self.now
+        if req.first_service_t is None:
+            req.first_service_t = self.now
+        return n
+
+    def _add(self, req: Request, token_ids: list[int], sample: bool) -> None:
+        table = req.block_table
+        new_blocks = table[req.blocks_sent :] if req.blocks_sent < len(table) else []
+        req.blocks_sent = len(table)
+        sampling = None
+        if not req.sampling_sent:
+            sampling, req.sampling_sent = self.host.sampling_for(req), True
+        self.seqs.append(SeqPlan(req.seq_id, token_ids, req.num_computed, new_blocks, sample, sampling))
+        self.entries.append((req, len(token_ids), sample))
+        self.in_batch.add(req.seq_id)

@@ -1,0 +1,156 @@
+"""Typed scheduler configuration, read from ``configs/policy.toml`` and ``configs/slo.toml``.
+
+Every constant the scheduler, the KV retention and the TPOT controller use lives in those two
+files; this module only gives them types and checks their ranges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentserve import configs
+from agentserve.configs import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class SchedCfg:
+    policy: str = "agentserve"
+    cold_threshold_tokens: int = 256
+    max_batch_seqs: int = 256
+    cold_chunk_tokens: int = 512
+    max_prefill_seqs: int = 8
+    decode_full_rung_when_idle: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class KvCfg:
+    retain_on_tool_call: bool = True
+    ttl_default_s: float = 5.0
+    ttl_min_s: float = 0.5
+    ttl_cap_s: float = 60.0
+    ttl_quantile: float = 0.9
+    ttl_margin: float = 1.25
+    ttl_min_samples: int = 2
+    turn_end_grace_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerCfg:
+    b_prefill_init: int = 256
+    b_prefill_min: int = 16
+    b_prefill_max: int = 1024
+    b_prefill_add: int = 32
+    b_prefill_mult: float = 0.5
+    r_min_init_share: float = 0.5
+    r_min_lo_share: float = 0.2
+    r_min_hi_share: float = 0.9
+    period_s: float = 0.25
+    window_s: float = 1.0
+    min_samples: int = 8
+    cooldown_periods: int = 1
+    probe_hold_periods: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class GuardCfg:
+    starvation_s: float = 2.0
+    min_tokens: int = 128
+    min_prefill_share: float = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class FcfsCfg:
+    max_batch_tokens: int = 16384
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkedCfg:
+    token_budget: int = 512
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaCppCfg:
+    n_batch: int = 2048
+    n_slots: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class SloCfg:
+    tpot_target_ms: float = 50.0
+    ttft_target_ms: float = 2000.0
+    tpot_quantile: float = 0.9
+    theta_low: float = 0.7
+    theta_high: float = 0.95
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    scheduler: SchedCfg = field(default_factory=SchedCfg)
+    kv: KvCfg = field(default_factory=KvCfg)
+    controller: ControllerCfg = field(default_factory=ControllerCfg)
+    guard: GuardCfg = field(default_factory=GuardCfg)
+    fcfs: FcfsCfg = field(default_factory=FcfsCfg)
+    chunked: ChunkedCfg = field(default_factory=ChunkedCfg)
+    llamacpp: LlamaCppCfg = field(default_factory=LlamaCppCfg)
+    slo: SloCfg = field(default_factory=SloCfg)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SchedulerConfig:
+        """Build from a merged ``policy.toml`` + ``slo.toml`` dict; unknown keys are errors."""
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            section = data.get(f.name, {})
+            try:
+                kwargs[f.name] = f.default_factory(**section)  # type: ignore[misc]
+            except TypeError as e:
+                raise ConfigError(f"[{f.name}]: {e}") from None
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown scheduler config sections: {sorted(unknown)}")
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    def with_policy(self, name: str) -> SchedulerConfig:
+        return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, policy=name))
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first value out of range."""
+        c, s, k = self.controller, self.slo, self.kv
+        checks = [
+            (0 < c.b_prefill_min <= c.b_prefill_init <= c.b_prefill_max, "b_prefill_min <= init <= max"),
+            (0.0 < c.b_prefill_mult < 1.0, "b_prefill_mult in (0, 1)"),
+            (c.b_prefill_add > 0, "b_prefill_add > 0"),
+            (0.0 <= c.r_min_lo_share <= c.r_min_hi_share <= 1.0, "r_min_lo_share <= r_min_hi_share"),
+            (c.period_s > 0 and c.window_s > 0, "period_s, window_s > 0"),
+            (0.0 < s.theta_low < s.theta_high, "0 < theta_low < theta_high"),
+            (s.tpot_target_ms > 0, "tpot_target_ms > 0"),
+            (0.0 < s.tpot_quantile <= 1.0, "tpot_quantile in (0, 1]"),
+            (0.0 < k.ttl_min_s <= k.ttl_default_s <= k.ttl_cap_s, "ttl_min_s <= ttl_default_s <= ttl_cap_s"),
+            (self.scheduler.cold_chunk_tokens > 0, "cold_chunk_tokens > 0"),
+            (self.scheduler.max_batch_seqs > 0, "max_batch_seqs > 0"),
+            (self.chunked.token_budget > 0 and self.llamacpp.n_batch > 0, "token budgets > 0"),
+            (self.llamacpp.n_slots > 0, "n_slots > 0"),
+        ]
+        for ok, what in checks:
+            if not ok:
+                raise ConfigError(f"scheduler config: need {what}")
+
+
+def load_config(
+    user_file: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> SchedulerConfig:
+    """Packaged ``policy`` + ``slo`` files, then a user file, ``AGENTSERVE_*`` variables, overrides."""
+    merged = configs.merge(configs.packaged("policy"), configs.packaged("slo"))
+    if user_file is not None:
+        merged = configs.merge(merged, configs.read_file(user_file))
+    merged = configs.env_overrides(merged, environ)
+    if overrides:
+        merged = configs.merge(merged, overrides)
+    known = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    return SchedulerConfig.from_dict({k: v for k, v in merged.items() if k in known})

@@ -1,0 +1,48 @@
+"""The partition ladder as the scheduler sees it: rungs ordered by the decode lane's share.
+
+The executor reports its ladder in ``Ready``.  Single-lane policies run on the *full* rung (the
+largest unpartitioned one: the whole device).  The TPOT controller moves the decode reserve
+``R_min`` along the *control* rungs: partitioned rungs that leave the prefill lane some units,
+within the configured share bounds, ordered by decode share.  A ladder without such rungs (no
+partitioning backend) gives a single control rung, the full one: the rung action is then a no-op.
+"""
+
+from __future__ import annotations
+
+from agentserve.shm.messages import Rung
+
+
+class Ladder:
+    def __init__(self, rungs: list[Rung], lo_share: float = 0.0, hi_share: float = 1.0) -> None:
+        if not rungs:
+            raise ValueError("the executor reported an empty ladder")
+        self.rungs = {r.index: r for r in rungs}
+        self.total = max(r.decode_units + r.prefill_units for r in rungs)
+        unpartitioned = [r for r in rungs if not r.partitioned] or rungs
+        self.full = max(unpartitioned, key=lambda r: (r.decode_units, -r.index)).index
+        split = sorted(
+            (r for r in rungs if r.partitioned and r.prefill_units > 0 and r.decode_units > 0),
+            key=lambda r: (r.decode_units, r.index),
+        )
+        inside = [r for r in split if lo_share - 1e-9 <= self.share(r.index) <= hi_share + 1e-9]
+        self.control = [r.index for r in (inside or split)] or [self.full]
+
+    @property
+    def partitioned(self) -> bool:
+        return self.control != [self.full]
+
+    def share(self, index: int) -> float:
+        """The decode lane's share of the device on rung ``index``."""
+        return self.rungs[index].decode_units / self.total
+
+    def nearest(self, share: float) -> int:
+        """Position in ``control`` of the rung whose decode share is nearest ``share``."""
+        return min(range(len(self.control)), key=lambda i: abs(self.share(self.control[i]) - share))
+
+    def highest_below(self, share: float) -> int:
+        """Position in ``control`` of the largest decode share not above ``share`` (at least 0)."""
+        best = 0
+        for i, index in enumerate(self.control):
+            if self.share(index) <= share + 1e-9:
+                best = i
+        return best

@@ -1,0 +1,51 @@
+"""The policy interface: what one lane runs in one step.
+
+A policy fills a :class:`~agentserve.orchestrator.batch.Batch` for a free lane from the queues and
+returns ``(token_budget, rung)`` for the Plan, or ``None`` to leave the lane idle this step.  It
+never touches blocks itself: the batch asks the scheduler to admit, grow and preempt.
+``other_rung`` is the rung of the other lane's plan in flight (``None`` when that lane is idle).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from agentserve.orchestrator.batch import Batch
+from agentserve.orchestrator.config import SchedulerConfig
+from agentserve.orchestrator.ladder import Ladder
+from agentserve.orchestrator.metrics import Window
+from agentserve.orchestrator.queues import Queues
+from agentserve.shm.messages import Lane
+
+
+class Policy:
+    name: ClassVar[str] = ""
+    lanes: ClassVar[tuple[Lane, ...]] = (Lane.DECODE,)
+    retains: ClassVar[bool] = False  # pins a session's KV while its tool runs
+    by_priority: ClassVar[bool] = False  # decodes ordered by request priority
+
+    def __init__(self, config: SchedulerConfig, ladder: Ladder) -> None:
+        self.config = config
+        self.ladder = ladder
+
+    @property
+    def retain_on_tool_call(self) -> bool:
+        return self.retains and self.config.kv.retain_on_tool_call
+
+    def max_seqs(self, lane: Lane) -> int:
+        return self.config.scheduler.max_batch_seqs
+
+    def tick(self, tpot: Window, now: float) -> None:
+        """Called once per ``schedule()``, before any lane is filled (feedback hook)."""
+
+    def fill(self, lane: Lane, batch: Batch, q: Queues, now: float, other_rung: int | None) -> tuple[int, int] | None:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, object]:
+        return {"policy": self.name, "rung": self.ladder.full}
+
+    def decode_all(self, batch: Batch, q: Queues) -> None:
+        for req in q.decode_order(self.by_priority):
+            if batch.full:
+                break
+            batch.decode(req)

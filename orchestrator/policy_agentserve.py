@@ -1,0 +1,123 @@
+"""AgentServe: phase-aware classes, TPOT feedback and two lanes on partition rungs.
+
+Decode lane, every step: every decoding request first (priority order), then resume prefills —
+admitted ones first, then waiting ones — up to ``B_prefill`` tokens (a mixed Plan), on rung
+``R_min``.  Prefill lane, concurrently: cold prefills FIFO in chunks of ``cold_chunk_tokens`` on the
+same rung's prefill partition.  The :class:`TpotController` moves ``B_prefill`` and ``R_min``.
+
+Decode takes the full (unpartitioned) rung while no cold prefill exists at all, and the prefill lane
+does not start while a decode step on the full rung is in flight, so the two never overlap.
+
+Starvation guard: when the next cold prefill (FIFO head) has gone ``starvation_s`` without service, the decode reserve
+is capped so the prefill partition keeps ``min_prefill_share`` of the device, and no new resume
+prefill is admitted (so blocks free up for the cold one) until it is served.
+
+Ablations: ``no-feedback`` (static ``B_prefill`` and ``R_min`` from the config) and ``no-partition``
+(classes and feedback on one shared lane on the full rung: decodes, then resumes, then cold chunks
+within ``B_prefill``; a starving cold prefill gets ``min_tokens`` of it first).
+"""
+
+from __future__ import annotations
+
+from agentserve.orchestrator.batch import Batch
+from agentserve.orchestrator.config import SchedulerConfig
+from agentserve.orchestrator.controller import TpotController
+from agentserve.orchestrator.ladder import Ladder
+from agentserve.orchestrator.metrics import Window
+from agentserve.orchestrator.policy import Policy
+from agentserve.orchestrator.queues import Queues
+from agentserve.orchestrator.request import Phase, ReqState
+from agentserve.shm.messages import Lane
+
+
+class AgentServe(Policy):
+    name = "agentserve"
+    lanes = (Lane.DECODE, Lane.PREFILL)
+    retains = True
+    by_priority = True
+    feedback = True
+
+    def __init__(self, config: SchedulerConfig, ladder: Ladder) -> None:
+        super().__init__(config, ladder)
+        self.ctl = TpotController(config.controller, config.slo, self.control_ladder(), self.feedback)
+        self.guard_pos = ladder.highest_below(1.0 - config.guard.min_prefill_share)
+
+    def control_ladder(self) -> Ladder:
+        return self.ladder
+
+    def tick(self, tpot: Window, now: float) -> None:
+        self.ctl.tick(tpot, now)
+
+    def starving(self, q: Queues, now: float) -> bool:
+        """The next cold prefill (FIFO head) has gone ``starvation_s`` without service."""
+        head = q.head(Phase.COLD)
+        return head is not None and not head.inflight and now - head.queued_since > self.config.guard.starvation_s
+
+    def decode_rung(self, q: Queues, now: float, prefill_busy: bool) -> int:
+        cold = q.waiting[Phase.COLD] or q.prefilling[Phase.COLD]
+        if self.config.scheduler.decode_full_rung_when_idle and not prefill_busy and not cold:
+            return self.ladder.full
+        pos = self.ctl.pos
+        if self.starving(q, now):
+            pos = min(pos, self.guard_pos)
+        return self.ladder.control[pos]
+
+    def fill(self, lane: Lane, batch: Batch, q: Queues, now: float, other_rung: int | None):
+        if lane is Lane.DECODE:
+            rung = self.decode_rung(q, now, other_rung is not None)
+            self.decode_all(batch, q)
+            self.add_resumes(batch, q, self.ctl.b_prefill, not self.starving(q, now))
+            return batch.num_decode + self.ctl.b_prefill, rung
+        if other_rung == self.ladder.full and self.ladder.partitioned:
+            return None  # decode holds the whole device for this step
+        rung = other_rung if other_rung is not None else self.decode_rung(q, now, True)
+        budget = self.config.scheduler.cold_chunk_tokens
+        self.add_colds(batch, q, budget, self.config.scheduler.max_prefill_seqs)
+        return budget, rung
+
+    def add_resumes(self, batch: Batch, q: Queues, budget: int, admit_new: bool) -> int:
+        left = budget
+        for req in q.phase_order(Phase.RESUME):
+            if left <= 0 or batch.full or (req.state is ReqState.WAITING and not admit_new):
+                break
+            left -= batch.prefill(req, left, Phase.RESUME)
+        return budget - left
+
+    def add_colds(self, batch: Batch, q: Queues, budget: int, max_seqs: int) -> int:
+        left = budget
+        for req in q.phase_order(Phase.COLD):
+            if left <= 0 or batch.full or len(batch.seqs) >= max_seqs:
+                break
+            left -= batch.prefill(req, left, Phase.COLD)
+        return budget - left
+
+    def stats(self) -> dict[str, object]:
+        return {"policy": self.name, **self.ctl.stats()}
+
+
+class NoFeedback(AgentServe):
+    name = "no-feedback"
+    feedback = False
+
+
+class NoPartition(AgentServe):
+    name = "no-partition"
+    lanes = (Lane.DECODE,)
+
+    def control_ladder(self) -> Ladder:
+        return Ladder([self.ladder.rungs[self.ladder.full]])
+
+    def fill(self, lane: Lane, batch: Batch, q: Queues, now: float, other_rung: int | None):
+        budget = self.ctl.b_prefill
+        self.decode_all(batch, q)
+        starving = self.starving(q, now)
+        used = 0
+        if starving:
+            head = q.head(Phase.COLD)
+            used = batch.prefill(head, self.config.guard.min_tokens, Phase.COLD)  # type: ignore[arg-type]
+        used += self.add_resumes(batch, q, max(0, budget - used), not starving)
+        self.add_colds(batch, q, budget - used, self.config.scheduler.max_batch_seqs)
+        return batch.num_decode + max(budget, used), self.ladder.full
+
+    def stats(self) -> dict[str, object]:
+        return {**super().stats(), "r_min_rung": self.ladder.full}

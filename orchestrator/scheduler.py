@@ -1,0 +1,513 @@
+"""The scheduler: sessions and requests in, one ``Plan`` per free lane out.
+
+Driving it (the server process does this; tests do it with a fake executor)::
+
+    sched = Scheduler("agentserve", ready, load_config(), clock=time.monotonic)
+    sid = sched.open_session()
+    seq = sched.submit(sid, prompt_ids, SamplingParams(max_tokens=64))
+    loop:
+        for msg in sched.schedule():          # Release first, then at most one Plan per free lane
+            ring.put(msg)
+        for result in results_from_ring():
+            for ev in sched.on_result(result):  # TokenEvent: token, first-token flag, finish
+                stream(ev)
+                if ev.finished:
+                    sched.end_turn(ev.seq_id, in_tool_call=parsed_a_tool_call)
+    sched.close_session(sid)
+
+Public API (all ``now`` arguments default to ``clock()``):
+
+- ``open_session(session_id=None) -> str``
+- ``submit(session_id, token_ids, sampling=None, *, priority=0, full_prompt=False, now=None) -> int``
+  — start a turn.  ``token_ids`` are appended to the conversation, or with ``full_prompt`` are the
+  whole conversation (the cached part is kept up to the first differing block).  Returns the
+  turn's ``seq_id``.  Raises ``ValueError`` for a prompt that can never fit, ``KeyError`` for an
+  unknown session, ``RuntimeError`` when the session already runs a turn.
+- ``abort(seq_id, now=None) -> list[TokenEvent]`` — stop a turn (at once, or when its step returns).
+- ``end_turn(seq_id, in_tool_call, now=None)`` — the turn's output was parsed: in a tool call, the
+  session's blocks stay pinned for a TTL learned from its tool latencies; otherwise released.
+- ``close_session(session_id, now=None) -> list[TokenEvent]`` — abort its turn, free its blocks.
+- ``schedule(now=None) -> list[Plan | Release]`` — a lane is busy from its Plan until its Result.
+- ``on_result(result, now=None) -> list[TokenEvent]``; ``on_error(error, now=None)`` likewise.
+- ``stats(now=None) -> dict`` — queues per class, rung, B_prefill, KV use, prefix hits, TPOT/TTFT.
+- ``take_events() -> list[TokenEvent]`` — events produced outside ``on_result`` (call after
+  ``schedule``/``end_turn``; ``on_result`` also returns them first).
+- ``idle() -> bool``; ``check()`` asserts every KV invariant (tests).
+
+Memory pressure, in order: free blocks; LRU eviction of cached blocks; preemption by recompute of
+the lowest-priority running request not in flight (blocks freed, ``Release`` sent, re-queued at the
+front of its class, re-prefilled later); breaking the oldest retention pin.  When nothing runs, is in
+flight or can be preempted and admission still fails, pins are broken too, so waiting work always
+progresses.  A request alone that cannot grow stops with ``Finish.LENGTH`` (never dropped).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+
+from agentserve.orchestrator.batch import Batch
+from agentserve.orchestrator.config import SchedulerConfig, load_config
+from agentserve.orchestrator.events import TokenEvent
+from agentserve.orchestrator.kv_manager import Admit, KVManager
+from agentserve.orchestrator.ladder import Ladder
+from agentserve.orchestrator.metrics import Window
+from agentserve.orchestrator.policies import make_policy
+from agentserve.orchestrator.policy import Policy
+from agentserve.orchestrator.queues import Queues
+from agentserve.orchestrator.request import Phase, ReqState, Request
+from agentserve.orchestrator.session import Session, tool_ttl
+from agentserve.shm.messages import ExecError, Finish, Lane, Plan, Ready, Release, Result, SamplingParams
+
+log = logging.getLogger(__name__)
+
+STATS_WINDOW_S = 10.0
+PHASE_RANK = {Phase.COLD: 0, Phase.RESUME: 1, Phase.DECODE: 2}
+
+
+class Inflight:
+    __slots__ = ("step", "rung", "entries", "sent")
+
+    def __init__(self, step: int, rung: int, entries: list[tuple[Request, int, bool]], sent: float) -> None:
+        self.step, self.rung, self.entries, self.sent = step, rung, entries, sent
+
+
+class Scheduler:
+    def __init__(
+        self,
+        policy: str | Policy,
+        ready: Ready,
+        config: SchedulerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or load_config()
+        self.clock = clock
+        cc = self.config.controller
+        self.ladder = Ladder(ready.ladder, cc.r_min_lo_share, cc.r_min_hi_share)
+        self.policy = make_policy(policy, self.config, self.ladder) if isinstance(policy, str) else policy
+        self.kv = KVManager(ready.num_blocks, ready.block_size)
+        capacity = ready.num_blocks * ready.block_size
+        self.max_len = min(ready.max_model_len, capacity) if ready.max_model_len > 0 else capacity
+        self.eos = frozenset(ready.eos_token_ids)
+        self.q = Queues()
+        self.sessions: dict[str, Session] = {}
+        self.requests: dict[int, Request] = {}  # unfinished turns
+        self.ended: dict[int, Request] = {}  # finished turns awaiting end_turn()
+        self.held: dict[str, Session] = {}  # sessions holding blocks (pinned or in grace)
+        self.next_expiry = math.inf
+        self.lanes: dict[Lane, Inflight | None] = {lane: None for lane in self.policy.lanes}
+        self.releases: list[int] = []
+        self.seq_ids = itertools.count(1)
+        self.steps = itertools.count(1)
+        self.tpot_ctl = Window(cc.window_s)  # the controller's window (cleared on each change)
+        self.tpot = Window(STATS_WINDOW_S)
+        self.ttft = Window(STATS_WINDOW_S)
+        self.pending_events: list[TokenEvent] = []
+        self.tool_samples: deque[float] = deque(maxlen=256)
+        self.counters = dict.fromkeys(("preemptions", "pins_broken", "finished", "aborted", "plans"), 0)
+
+    # ---------------------------------------------------------------- sessions and turns
+    def open_session(self, session_id: str | None = None) -> str:
+        session_id = session_id or uuid.uuid4().hex
+        if session_id in self.sessions:
+            raise ValueError(f"session {session_id!r} is already open")
+        self.sessions[session_id] = Session(session_id)
+        return session_id
+
+    def submit(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        full_prompt: bool = False,
+        now: float | None = None,
+    ) -> int:
+        now = self.clock() if now is None else now
+        session = self.sessions[session_id]
+        if session.active is not None:
+            raise RuntimeError(f"session {session_id!r} already runs turn {session.active.seq_id}")
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        tokens = list(token_ids) if full_prompt else session.tokens + list(token_ids)
+        if not tokens or len(tokens) >= self.max_len:
+            raise ValueError(f"prompt of {len(tokens)} tokens does not fit (max {self.max_len - 1})")
+        if full_prompt:
+            self._truncate_session(session, tokens)
+        session.observe_tool_return(now, self.tool_samples)
+        self._claim(session)
+        req = Request(next(self.seq_ids), session, tokens, sampling, priority, now)
+        req.phase = self._classify(req)
+        session.active = req
+        self.requests[req.seq_id] = req
+        self.q.push_waiting(req)
+        return req.seq_id
+
+    def abort(self, seq_id: int, now: float | None = None) -> list[TokenEvent]:
+        now = self.clock() if now is None else now
+        req = self.requests.get(seq_id)
+        if req is None:
+            return []
+        if req.inflight:
+            req.abort_pending = True
+            return []
+        return [self._finish(req, Finish.ABORT, now)]
+
+    def end_turn(self, seq_id: int, in_tool_call: bool, now: float | None = None) -> None:
+        now = self.clock() if now is None else now
+        req = self.requests.get(seq_id)
+        if req is not None:  # still running: stop it; applied now, or when its step is back
+            req.end_tool = in_tool_call
+            self.pending_events += self.abort(seq_id, now)
+            return
+        req = self.ended.pop(seq_id, None)
+        if req is not None:
+            self._end(req, in_tool_call, now)
+
+    def _end(self, req: Request, in_tool_call: bool, now: float) -> None:
+        session = req.session
+        if in_tool_call:
+            session.tool_started = now
+        if session.active is not None or not session.holds_blocks:
+            return  # nothing retained, or the next turn already claimed the blocks
+        if in_tool_call and self.policy.retain_on_tool_call:
+            self._pin(session, now + tool_ttl(session, self.tool_samples, self.config.kv))
+        else:
+            self._release_session(session)
+
+    def close_session(self, session_id: str, now: float | None = None) -> list[TokenEvent]:
+        now = self.clock() if now is None else now
+        session = self.sessions.get(session_id)
+        if session is None:
+            return []
+        session.closed = True
+        events = self.abort(session.active.seq_id, now) if session.active else []
+        if session.active is None:
+            self._drop_session(session)
+        return events
+
+    # ---------------------------------------------------------------- stepping
+    def schedule(self, now: float | None = None) -> list[Plan | Release]:
+        now = self.clock() if now is None else now
+        if now >= self.next_expiry:
+            self._expire_pins(now)
+        self.policy.tick(self.tpot_ctl, now)
+        plans, blocked = self._plan_lanes(now)
+        while not plans and blocked and self.idle_lanes() and not self.q.num_active() and self._break_pin():
+            plans, blocked = self._plan_lanes(now)  # liveness: nothing else will ever free blocks
+        if self.releases:
+            plans.insert(0, Release(self.releases))
+            self.releases = []
+        return plans
+
+    def take_events(self) -> list[TokenEvent]:
+        """Events produced outside ``on_result`` (a turn stopped inside ``schedule``/``end_turn``)."""
+        events, self.pending_events = self.pending_events, []
+        return events
+
+    def on_result(self, result: Result, now: float | None = None) -> list[TokenEvent]:
+        now = self.clock() if now is None else now
+        inflight = self._land(result.lane, result.step)
+        sampled = {s.seq_id: s for s in result.seqs}
+        events = self.take_events()
+        for req, n, sample in inflight.entries:
+            req.inflight = False
+            if req.state is ReqState.FINISHED:
+                continue
+            req.num_computed += n
+            self.kv.on_computed(req)
+            if sample:
+                sr = sampled.get(req.seq_id)
+                if sr is None or sr.token_id < 0:
+                    log.error("result of step %d has no token for seq %d", result.step, req.seq_id)
+                    events.append(self._finish(req, Finish.ABORT, now))
+                    continue
+                events.append(self._append(req, sr.token_id, sr.finish, sr.logprob, now))
+            if req.abort_pending and req.state is not ReqState.FINISHED:
+                events.append(self._finish(req, Finish.ABORT, now))
+        return events
+
+    def on_error(self, error: ExecError, now: float | None = None) -> list[TokenEvent]:
+        """The executor failed a step: its sequences are aborted (their lanes freed)."""
+        now = self.clock() if now is None else now
+        events = []
+        for lane, inflight in self.lanes.items():
+            if inflight is not None and (error.step == inflight.step or error.fatal):
+                self.lanes[lane] = None
+                for req, _, _ in inflight.entries:
+                    req.inflight = False
+                    if req.state is not ReqState.FINISHED:
+                        events.append(self._finish(req, Finish.ABORT, now))
+        for seq_id in error.seq_ids:
+            events += self.abort(seq_id, now)
+        return events
+
+    def idle(self) -> bool:
+        return not self.requests and self.idle_lanes()
+
+    def idle_lanes(self) -> bool:
+        return all(v is None for v in self.lanes.values())
+
+    # ---------------------------------------------------------------- batch host
+    def admit(self, req: Request, batch: Batch) -> bool:
+        """Give a waiting request blocks and move it to its prefill queue (its class rechecked)."""
+        result = self.kv.admit(req)
+        if result is Admit.NO_SPACE:
+            batch.blocked = True
+        if result is not Admit.OK:
+            return False
+        self.q.waiting[req.phase].remove(req)
+        req.phase = self._phase_for(len(req.tokens) - req.num_computed)
+        self.q.admitted(req)
+        return True
+
+    def grow(self, req: Request, num_positions: int, batch: Batch) -> bool:
+        """Blocks for ``req`` up to ``num_positions``, preempting or unpinning others if needed."""
+        while not self.kv.grow(req, num_positions):
+            victim = self._victim(req, batch)
+            if victim is not None:
+                self._preempt(victim, batch.now)
+            elif not self._break_pin():
+                self._stuck(req, batch)
+                return False
+        return True
+
+    def sampling_for(self, req: Request) -> SamplingParams:
+        if req.num_output == 0:
+            return req.sampling
+        return msgspec.structs.replace(req.sampling, max_tokens=max(1, req.remaining_tokens))
+
+    # ---------------------------------------------------------------- internals
+    def _plan_lanes(self, now: float) -> tuple[list[Plan | Release], bool]:
+        plans: list[Plan | Release] = []
+        blocked = False
+        for lane in self.policy.lanes:
+            if self.lanes[lane] is None:
+                plan, lane_blocked = self._plan_lane(lane, now)
+                blocked |= lane_blocked
+                if plan is not None:
+                    plans.append(plan)
+        return plans, blocked
+
+    def _plan_lane(self, lane: Lane, now: float) -> tuple[Plan | None, bool]:
+        other = [v.rung for k, v in self.lanes.items() if k is not lane and v is not None]
+        batch = Batch(self, lane, self.policy.max_seqs(lane), now)
+        decision = self.policy.fill(lane, batch, self.q, now, other[0] if other else None)
+        if decision is None or not batch.seqs:
+            return None, batch.blocked
+        budget, rung = decision
+        step = next(self.steps)
+        for req, _, _ in batch.entries:
+            req.inflight = True
+        self.lanes[lane] = Inflight(step, rung, batch.entries, now)
+        self.counters["plans"] += 1
+        return Plan(step, lane, rung, budget, batch.seqs), batch.blocked
+
+    def _land(self, lane: Lane, step: int) -> Inflight:
+        inflight = self.lanes.get(lane)
+        if inflight is None or inflight.step != step:
+            raise ValueError(f"result for step {step} on lane {lane.name}, which has no such plan in flight")
+        self.lanes[lane] = None
+        return inflight
+
+    def _append(self, req: Request, token: int, finish: Finish, logprob: float, now: float) -> TokenEvent:
+        req.tokens.append(token)
+        req.num_output += 1
+        first = req.first_token_t is None
+        if req.state is ReqState.PREFILL:
+            self.q.to_decode(req)
+        if first:
+            req.first_token_t = now
+            self.ttft.add(now, now - req.arrival)
+        else:
+            self.tpot.add(now, now - req.last_token_t)
+            self.tpot_ctl.add(now, now - req.last_token_t)
+        req.last_token_t = now
+        if finish is Finish.NONE:
+            finish = self._stop_reason(req, token)
+        if finish is not Finish.NONE:
+            return self._finish(req, finish, now, token, first, logprob)
+        sid = req.session.session_id
+        return TokenEvent(req.seq_id, sid, token, finish, first, req.num_output, now, logprob)
+
+    def _stop_reason(self, req: Request, token: int) -> Finish:
+        sp = req.sampling
+        if (token in self.eos and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return Finish.STOP
+        if req.num_output >= sp.max_tokens or len(req.tokens) >= self.max_len:
+            return Finish.LENGTH
+        return Finish.NONE
+
+    def _finish(
+        self, req: Request, reason: Finish, now: float, token: int = -1, first: bool = False, lp: float = 0.0
+    ) -> TokenEvent:
+        self.q.remove(req)
+        had_kv = req.state is ReqState.DECODE
+        req.state, req.finish = ReqState.FINISHED, reason
+        del self.requests[req.seq_id]
+        self.counters["aborted" if reason is Finish.ABORT else "finished"] += 1
+        if req.sampling_sent or req.blocks_sent:
+            self.releases.append(req.seq_id)
+        session = req.session
+        session.active = None
+        session.tokens = req.tokens
+        if had_kv and req.block_table and not session.closed and self.policy.retains:
+            self.kv.retain(req, session)
+            self._pin(session, now + self.config.kv.turn_end_grace_s)
+        else:
+            self.kv.free(req)
+            self._release_session(session)
+        if session.closed:
+            self._drop_session(session)
+        elif req.end_tool is not None:
+            self._end(req, req.end_tool, now)
+        else:
+            self.ended[req.seq_id] = req
+        return TokenEvent(req.seq_id, session.session_id, token, reason, first, req.num_output, now, lp)
+
+    def _preempt(self, req: Request, now: float) -> None:
+        self.q.remove(req)
+        if req.sampling_sent or req.blocks_sent:
+            self.releases.append(req.seq_id)
+        self.kv.free(req)
+        req.sampling_sent = False
+        req.preemptions += 1
+        self.counters["preemptions"] += 1
+        req.phase = self._classify(req)
+        req.queued_since = now
+        self.q.push_waiting(req, front=True)
+
+    def _victim(self, req: Request, batch: Batch) -> Request | None:
+        """The lowest-ranked block holder that is not in flight, in this batch, or above ``req``."""
+        best, best_key = None, None
+        for r in self.q.holders():
+            if r is req or r.inflight or r.seq_id in batch.in_batch or not r.block_table:
+                continue
+            key = (r.priority, PHASE_RANK[r.phase], -r.arrival)
+            if best_key is None or key < best_key:
+                best, best_key = r, key
+        if best is None or best_key > (req.priority, PHASE_RANK[req.phase], -req.arrival):  # type: ignore[operator]
+            return None
+        return best
+
+    def _stuck(self, req: Request, batch: Batch) -> None:
+        """``req`` cannot grow and nothing can be reclaimed for it now."""
+        others = self.kv.pool.num_used() > len(set(req.block_table))
+        if others:
+            self._preempt(req, batch.now)  # others will finish and free their blocks
+        else:
+            self.pending_events.append(self._finish(req, Finish.LENGTH, batch.now))
+
+    def _classify(self, req: Request) -> Phase:
+        return self._phase_for(len(req.tokens) - self.kv.peek_cached(req))
+
+    def _phase_for(self, uncached: int) -> Phase:
+        return Phase.COLD if uncached > self.config.scheduler.cold_threshold_tokens else Phase.RESUME
+
+    def _truncate_session(self, session: Session, tokens: list[int]) -> None:
+        """Keep the session's retained KV only for the longest block-aligned common prefix."""
+        common = 0
+        for a, b in zip(session.tokens, tokens, strict=False):
+            if a != b:
+                break
+            common += 1
+        keep_tokens = min(common, session.num_computed, len(tokens) - 1)
+        keep = keep_tokens // self.kv.block_size
+        if session.holds_blocks and keep_tokens < session.num_computed:
+            self.kv.pool.release(session.block_table[keep:])
+            del session.block_table[keep:]
+            session.num_computed = keep * self.kv.block_size
+            session.num_sealed = min(session.num_sealed, keep)
+            if not session.block_table:
+                self._release_session(session)
+        session.tokens = tokens[: session.num_computed] if session.holds_blocks else []
+
+    # ---------------------------------------------------------------- retention pins
+    def _pin(self, session: Session, deadline: float) -> None:
+        session.pin_deadline = deadline
+        self.held[session.session_id] = session
+        self.next_expiry = min(self.next_expiry, deadline)
+
+    def _claim(self, session: Session) -> None:
+        """A new turn will take the session's blocks at admission: keep them until then."""
+        if session.holds_blocks:
+            session.pin_deadline = math.inf
+            self.held[session.session_id] = session
+        else:
+            self.held.pop(session.session_id, None)
+
+    def _release_session(self, session: Session) -> None:
+        self.kv.release_session(session)
+        self.held.pop(session.session_id, None)
+
+    def _expire_pins(self, now: float) -> None:
+        expired = [s for s in self.held.values() if s.pin_deadline is not None and s.pin_deadline <= now]
+        for session in expired:
+            self._release_session(session)
+        self.next_expiry = min((s.pin_deadline or math.inf for s in self.held.values()), default=math.inf)
+
+    def _break_pin(self) -> bool:
+        """Release the pin that expires first (claimed ones last); False when none is left."""
+        holding = [s for s in self.held.values() if s.holds_blocks]
+        if not holding:
+            return False
+        session = min(holding, key=lambda s: s.pin_deadline if s.pin_deadline is not None else math.inf)
+        self._release_session(session)
+        self.counters["pins_broken"] += 1
+        return True
+
+    def _drop_session(self, session: Session) -> None:
+        self._release_session(session)
+        self.sessions.pop(session.session_id, None)
+        for seq_id in [k for k, r in self.ended.items() if r.session is session]:
+            del self.ended[seq_id]
+
+    # ---------------------------------------------------------------- introspection
+    def stats(self, now: float | None = None) -> dict[str, object]:
+        now = self.clock() if now is None else now
+        pool, kv = self.kv.pool, self.kv
+        in_tool = sum(1 for s in self.sessions.values() if s.active is None and s.tool_started is not None)
+        return {
+            **self.policy.stats(),
+            "queues": self.q.counts(),
+            "sessions": len(self.sessions),
+            "sessions_in_tool": in_tool,
+            "lanes_busy": {lane.name.lower(): v is not None for lane, v in self.lanes.items()},
+            "kv": {
+                "blocks": pool.num_blocks,
+                "used": pool.num_used(),
+                "cached": len(pool.cached),
+                "free": len(pool.free),
+                "held_by_sessions": sum(len(s.block_table) for s in self.held.values()),
+                "usage": pool.num_used() / pool.num_blocks,
+                "evictions": pool.evictions,
+            },
+            "prefix_hit_rate": kv.hit_tokens / kv.prompt_tokens if kv.prompt_tokens else 0.0,
+            "tpot_s": self.tpot.summary(now),
+            "ttft_s": self.ttft.summary(now),
+            **self.counters,
+        }
+
+    def check(self) -> None:
+        """Assert the KV invariants: refcounts equal the references held, no block held twice."""
+        holders: dict[int, int] = {}
+        for table in itertools.chain(
+            (r.block_table for r in self.q.holders()), (s.block_table for s in self.sessions.values())
+        ):
+            assert len(set(table)) == len(table), "a block appears twice in one table"
+            for bid in table:
+                holders[bid] = holders.get(bid, 0) + 1
+        for phase in self.q.waiting:
+            for r in self.q.waiting[phase]:
+                assert not r.block_table, f"waiting request {r.seq_id} holds blocks"
+        self.kv.pool.check(holders)
+        for r in self.q.holders():
+            assert len(r.block_table) >= self.kv.blocks_for(r.num_computed), f"{r} lacks blocks for its KV"

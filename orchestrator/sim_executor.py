@@ -1,0 +1,161 @@
+"""A fake executor for tests and benchmarks: a cost model for time, a token store for checking KV.
+
+Time: a lane step on a rung takes ``(a + b·decodes)/s_d^γd + c·prefill_tokens/s_p^γp`` where ``s`` is
+the lane's share of the device on that rung (decode share for the decode lane, prefill share for the
+prefill lane); on an unpartitioned rung both lanes see the whole device, and a step that starts
+while the other lane is busy is ``shared_slowdown`` times slower (time slicing).
+
+Checks, the executor's half of the wire contract: a new sequence comes with its sampling
+parameters; every position fed lies in the sequence's block table; the KV it attends to (positions
+before ``start_pos``, possibly written by *other* sequences through shared prefix blocks) holds
+exactly the tokens the orchestrator believes (``oracle``); no block is written while another live
+sequence has it in its table.  Violations raise :class:`ContractError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agentserve.shm.messages import Finish, Lane, Plan, Ready, Release, Result, Rung, SeqResult
+
+EOS = 2
+
+
+class ContractError(AssertionError):
+    """The orchestrator broke the executor's contract."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    a: float = 0.008  # fixed cost of a step (s)
+    b: float = 0.0003  # per decode sequence
+    c: float = 0.00005  # per prefill token
+    decode_exp: float = 0.5  # decode is memory-bound: less sensitive to its share of units
+    prefill_exp: float = 1.0
+    shared_slowdown: float = 2.0
+
+    def step_time(self, n_decode: int, n_prefill: int, share: float, contended: bool) -> float:
+        share = max(share, 1e-3)
+        t = (self.a + self.b * n_decode) / share**self.decode_exp + self.c * n_prefill / share**self.prefill_exp
+        return t * (self.shared_slowdown if contended else 1.0)
+
+
+def ladder(total: int = 10, partitioned: bool = True) -> list[Rung]:
+    """A ladder like the executor reports: decode 1..total-1 units of ``total``, then the full rung."""
+    rungs = []
+    if partitioned:
+        rungs = [
+            Rung(index=i, decode_units=i + 1, prefill_units=total - i - 1, partitioned=True) for i in range(total - 1)
+        ]
+    rungs.append(Rung(index=len(rungs), decode_units=total, prefill_units=0, partitioned=False))
+    return rungs
+
+
+def ready(num_blocks: int, block_size: int = 16, max_model_len: int = 8192, partitioned: bool = True) -> Ready:
+    return Ready(
+        wire_version=1, pid=0, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
+        vocab_size=32000, eos_token_ids=[EOS], backend="fake", reason="test", ladder=ladder(partitioned=partitioned),
+    )  # fmt: skip
+
+
+class _Seq:
+    __slots__ = ("table", "last", "generated", "max_tokens", "computed")
+
+    def __init__(self, max_tokens: int) -> None:
+        self.table: list[int] = []
+        self.last = -1
+        self.generated = 0
+        self.max_tokens = max_tokens
+        self.computed = 0
+
+
+class FakeExecutor:
+    def __init__(
+        self,
+        info: Ready,
+        cost: CostModel | None = None,
+        oracle: Callable[[int], list[int] | None] | None = None,
+    ) -> None:
+        self.info, self.cost, self.oracle = info, cost or CostModel(), oracle
+        self.bs = info.block_size
+        self.rungs = {r.index: r for r in info.ladder}
+        self.total = max(r.decode_units + r.prefill_units for r in info.ladder)
+        self.kv: list[int | None] = [None] * (info.num_blocks * info.block_size)
+        self.seqs: dict[int, _Seq] = {}
+        self.users: dict[int, set[int]] = {}
+        self.busy_until = {Lane.DECODE: 0.0, Lane.PREFILL: 0.0}
+        self.busy_rung = {Lane.DECODE: -1, Lane.PREFILL: -1}
+        self.overlaps = 0  # steps started on the full rung while the other lane was busy
+
+    def release(self, msg: Release) -> None:
+        for seq_id in msg.seq_ids:
+            seq = self.seqs.pop(seq_id, None)
+            for bid in seq.table if seq else ():
+                self.users[bid].discard(seq_id)
+
+    def duration(self, plan: Plan, now: float) -> float:
+        rung = self.rungs[plan.rung]
+        other = Lane.PREFILL if plan.lane is Lane.DECODE else Lane.DECODE
+        other_busy = self.busy_until[other] > now
+        units = rung.decode_units if plan.lane is Lane.DECODE or not rung.partitioned else rung.prefill_units
+        share = units / self.total if rung.partitioned else 1.0
+        contended = other_busy and not (rung.partitioned and self.rungs[self.busy_rung[other]].partitioned)
+        self.overlaps += contended
+        n_decode = sum(1 for s in plan.seqs if len(s.token_ids) <= 1 and s.sample and s.seq_id in self.seqs)
+        n_prefill = sum(len(s.token_ids) for s in plan.seqs) - n_decode
+        return self.cost.step_time(n_decode, n_prefill, share, contended)
+
+    def run(self, plan: Plan, now: float) -> Result:
+        """Execute ``plan`` starting at ``now``; the result carries ``t_end``."""
+        dt = self.duration(plan, now)
+        self.busy_until[plan.lane], self.busy_rung[plan.lane] = now + dt, plan.rung
+        out = [r for r in (self._feed(s) for s in plan.seqs) if r is not None]
+        return Result(step=plan.step, lane=plan.lane, rung=plan.rung, seqs=out, t_start=now, t_end=now + dt)
+
+    def _feed(self, sp) -> SeqResult | None:
+        seq = self.seqs.get(sp.seq_id)
+        if seq is None:
+            if sp.sampling is None:
+                raise ContractError(f"seq {sp.seq_id}: first plan without sampling parameters")
+            seq = self.seqs[sp.seq_id] = _Seq(sp.sampling.max_tokens)
+            self._verify_prefix(sp.seq_id, sp.new_blocks, sp.start_pos)
+        for bid in sp.new_blocks:
+            seq.table.append(bid)
+            self.users.setdefault(bid, set()).add(sp.seq_id)
+        tokens = sp.token_ids or [seq.last]
+        if sp.start_pos != seq.computed and seq.computed:
+            raise ContractError(f"seq {sp.seq_id}: fed at {sp.start_pos}, KV ends at {seq.computed}")
+        for i, tok in enumerate(tokens):
+            self._write(sp.seq_id, seq, sp.start_pos + i, tok)
+        seq.computed = sp.start_pos + len(tokens)
+        if not sp.sample:
+            return None
+        token = self._sample(sp.seq_id, seq.computed)
+        seq.last, seq.generated = token, seq.generated + 1
+        finish = Finish.LENGTH if seq.generated >= seq.max_tokens else Finish.NONE
+        return SeqResult(seq_id=sp.seq_id, token_id=token, finish=finish)
+
+    def _write(self, seq_id: int, seq: _Seq, pos: int, tok: int) -> None:
+        idx = pos // self.bs
+        if idx >= len(seq.table):
+            raise ContractError(f"seq {seq_id}: position {pos} beyond its {len(seq.table)} blocks")
+        bid = seq.table[idx]
+        if self.users[bid] != {seq_id}:
+            raise ContractError(f"seq {seq_id} writes block {bid} shared with {self.users[bid] - {seq_id}}")
+        self.kv[bid * self.bs + pos % self.bs] = tok
+
+    def _verify_prefix(self, seq_id: int, table: list[int], start: int) -> None:
+        truth = self.oracle(seq_id) if self.oracle else None
+        if truth is None:
+            return
+        if len(table) * self.bs < start:
+            raise ContractError(f"seq {seq_id}: starts at {start} with only {len(table)} blocks")
+        got = [self.kv[table[p // self.bs] * self.bs + p % self.bs] for p in range(start)]
+        if got != truth[:start]:
+            bad = next(i for i, (x, y) in enumerate(zip(got, truth, strict=False)) if x != y)
+            raise ContractError(f"seq {seq_id}: cached KV differs from its tokens at position {bad}")
+
+    @staticmethod
+    def _sample(seq_id: int, pos: int) -> int:
+        return 10 + (seq_id * 7919 + pos * 104729) % 30000

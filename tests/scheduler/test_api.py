@@ -1,0 +1,223 @@
+"""The Scheduler API the server drives: sessions, turns, retention pins, aborts, events, config."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentserve.configs import ConfigError
+from agentserve.orchestrator.config import SchedulerConfig, load_config
+from agentserve.orchestrator.policies import POLICY_NAMES, make_policy
+from agentserve.orchestrator.request import Phase
+from agentserve.orchestrator.scheduler import Scheduler
+from agentserve.orchestrator.sim_executor import FakeExecutor, ready
+from agentserve.shm.messages import Finish, Lane, Plan, Release, SamplingParams
+
+BS = 16
+
+
+class Driver:
+    """A scheduler and a fake executor on a manual clock."""
+
+    def __init__(self, policy: str = "agentserve", num_blocks: int = 256) -> None:
+        self.now = 0.0
+        info = ready(num_blocks, BS)
+        self.sched = Scheduler(policy, info, SchedulerConfig(), clock=lambda: self.now)
+        self.exe = FakeExecutor(info, oracle=lambda s: getattr(self.sched.requests.get(s), "tokens", None))
+        self.pending: list = []
+        self.events: list = []
+        self.released: list[int] = []
+
+    def pump(self) -> list[Plan]:
+        plans = []
+        for msg in self.sched.schedule(self.now):
+            if isinstance(msg, Release):
+                self.released += msg.seq_ids
+                self.exe.release(msg)
+            else:
+                plans.append(msg)
+                self.pending.append(self.exe.run(msg, self.now))
+        self.events += self.sched.take_events()
+        return plans
+
+    def land(self) -> None:
+        self.pending.sort(key=lambda r: r.t_end)
+        result = self.pending.pop(0)
+        self.now = max(self.now, result.t_end)
+        self.events += self.sched.on_result(result, self.now)
+
+    def until_finished(self, seq_id: int) -> None:
+        for _ in range(10_000):
+            if any(e.seq_id == seq_id and e.finished for e in self.events):
+                return
+            self.pump()
+            self.land()
+            self.sched.check()
+        raise AssertionError("never finished")
+
+
+def test_registry_accepts_every_policy_and_lists_names_on_error():
+    for name in POLICY_NAMES:
+        assert make_policy(name).name == name
+    assert set(POLICY_NAMES) == {"agentserve", "fcfs", "chunked", "llamacpp", "no-feedback", "no-partition"}
+    with pytest.raises(ValueError, match="agentserve, fcfs, chunked, llamacpp, no-feedback, no-partition"):
+        make_policy("vllm")
+
+
+def test_config_files_load_and_override():
+    cfg = load_config()
+    assert cfg == SchedulerConfig(), "the TOML files and the dataclass defaults agree"
+    cfg = load_config(environ={"AGENTSERVE_SLO_TPOT_TARGET_MS": "30"}, overrides={"chunked": {"token_budget": 64}})
+    assert cfg.slo.tpot_target_ms == 30.0 and cfg.chunked.token_budget == 64
+    with pytest.raises(ConfigError, match="bogus"):
+        load_config(overrides={"controller": {"bogus": 1}})
+    with pytest.raises(ConfigError, match="theta_low < theta_high"):
+        load_config(overrides={"slo": {"theta_low": 0.9, "theta_high": 0.8}})
+
+
+def test_submit_validates():
+    d = Driver(num_blocks=8)
+    sid = d.sched.open_session("a")
+    with pytest.raises(ValueError, match="does not fit"):
+        d.sched.submit(sid, list(range(10, 10 + 8 * BS)))
+    with pytest.raises(KeyError):
+        d.sched.submit("nope", [1, 2, 3])
+    d.sched.submit(sid, [11, 12])
+    with pytest.raises(RuntimeError, match="already runs"):
+        d.sched.submit(sid, [13])
+    with pytest.raises(ValueError, match="max_tokens"):
+        d.sched.submit(d.sched.open_session(), [1], SamplingParams(max_tokens=0))
+
+
+def test_classes_from_what_is_cached_and_tool_retention():
+    d = Driver()
+    sid = d.sched.open_session("agent")
+    cold = d.sched.submit(sid, list(range(10, 1010)), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert d.sched.requests[cold].phase is Phase.COLD
+    d.until_finished(cold)
+    d.sched.end_turn(cold, in_tool_call=True, now=d.now)
+    session = d.sched.sessions[sid]
+    assert session.holds_blocks and session.pin_deadline > d.now, "pinned while the tool runs"
+    d.now += 1.0
+    resume = d.sched.submit(sid, list(range(5000, 5060)), SamplingParams(max_tokens=5, ignore_eos=True))
+    req = d.sched.requests[resume]
+    assert req.phase is Phase.RESUME
+    assert list(session.tool_latencies) == [pytest.approx(1.0)]
+    d.until_finished(resume)
+    assert req.num_cached == 1004, "the whole previous turn (but its last sampled token) was resident"
+    assert d.sched.stats()["prefix_hit_rate"] > 0.4
+
+
+def test_tool_ttl_comes_from_observed_latencies():
+    d = Driver()
+    sid = d.sched.open_session()
+    for latency in (2.0, 4.0, 3.0):
+        seq = d.sched.submit(sid, [20, 21, 22], SamplingParams(max_tokens=2, ignore_eos=True), now=d.now)
+        d.until_finished(seq)
+        d.sched.end_turn(seq, in_tool_call=True, now=d.now)
+        pinned_at = d.now
+        d.now += latency
+    kv = SchedulerConfig().kv
+    ttl = d.sched.sessions[sid].pin_deadline - pinned_at
+    assert ttl == pytest.approx(min(kv.ttl_cap_s, 4.0 * kv.ttl_margin)), "q90 of (2, 4) x margin"
+
+
+def test_pin_expires_then_blocks_are_only_cached():
+    d = Driver()
+    sid = d.sched.open_session()
+    seq = d.sched.submit(sid, list(range(10, 110)), SamplingParams(max_tokens=3, ignore_eos=True))
+    d.until_finished(seq)
+    d.sched.end_turn(seq, in_tool_call=True, now=d.now)
+    held = d.sched.stats()["kv"]["held_by_sessions"]
+    assert held == 7
+    d.now = d.sched.sessions[sid].pin_deadline + 0.01
+    d.pump()
+    stats = d.sched.stats()
+    assert stats["kv"]["held_by_sessions"] == 0 and stats["kv"]["used"] == 0
+    assert stats["kv"]["cached"] == 6, "full blocks stay findable by prefix hash"
+
+
+def test_turn_without_tool_call_and_close_release_at_once():
+    d = Driver()
+    sid = d.sched.open_session()
+    seq = d.sched.submit(sid, list(range(10, 110)), SamplingParams(max_tokens=3, ignore_eos=True))
+    d.until_finished(seq)
+    assert d.sched.stats()["kv"]["held_by_sessions"] > 0, "kept for a grace until end_turn"
+    d.sched.end_turn(seq, in_tool_call=False, now=d.now)
+    assert d.sched.stats()["kv"]["used"] == 0
+    seq = d.sched.submit(sid, [7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True), now=d.now)
+    d.until_finished(seq)
+    d.sched.end_turn(seq, in_tool_call=True, now=d.now)
+    assert d.sched.stats()["kv"]["used"] > 0
+    d.sched.close_session(sid, now=d.now)
+    assert d.sched.stats()["kv"]["used"] == 0 and sid not in d.sched.sessions
+    d.pump()
+    assert seq in d.released
+
+
+def test_abort_waiting_and_in_flight():
+    d = Driver("chunked")
+    a = d.sched.submit(d.sched.open_session(), [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    events = d.sched.abort(a)
+    assert [(e.seq_id, e.finish) for e in events] == [(a, Finish.ABORT)]
+    b = d.sched.submit(d.sched.open_session(), [4, 5, 6], SamplingParams(max_tokens=50, ignore_eos=True))
+    assert d.pump(), "b is in flight"
+    assert d.sched.abort(b) == [], "in flight: the abort lands with its result"
+    d.land()
+    assert any(e.seq_id == b and e.finish is Finish.ABORT for e in d.events)
+    d.pump()
+    assert b in d.released and d.sched.idle()
+
+
+def test_eos_and_stop_tokens_finish_with_stop():
+    d = Driver("chunked")
+    sid = d.sched.open_session()
+    first = d.sched.submit(sid, [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    d.pump()
+    d.land()
+    token = d.events[-1].token_id
+    d.sched.abort(first)
+    sid2 = d.sched.open_session()
+    seq = d.sched.submit(sid2, [1, 2, 3], SamplingParams(max_tokens=50, stop_token_ids=[token]))
+    d.exe._sample = lambda s, p: token  # every sample is the stop token
+    d.until_finished(seq)
+    assert d.events[-1].finish is Finish.STOP and d.events[-1].num_output == 1
+
+
+def test_full_prompt_keeps_the_common_prefix_only():
+    d = Driver()
+    sid = d.sched.open_session()
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    seq = d.sched.submit(sid, list(range(10, 110)), sp)
+    d.until_finished(seq)
+    d.sched.end_turn(seq, in_tool_call=True, now=d.now)
+    conversation = d.sched.sessions[sid].tokens
+    rewritten = conversation[:50] + [1, 2, 3] + conversation[53:] + [99]  # a chat template re-render
+    seq2 = d.sched.submit(sid, rewritten, sp, full_prompt=True, now=d.now)
+    req = d.sched.requests[seq2]
+    d.until_finished(seq2)  # the fake executor checks the reused KV against the new tokens
+    assert req.num_cached == 48, "3 whole blocks before the first difference at position 50"
+    assert d.sched.stats()["finished"] == 2
+
+
+def test_stats_shape():
+    d = Driver()
+    stats = d.sched.stats()
+    for key in ("policy", "b_prefill", "r_min_rung", "queues", "kv", "prefix_hit_rate", "tpot_s", "ttft_s"):
+        assert key in stats
+    queues = {"cold_waiting", "resume_waiting", "cold_prefilling", "resume_prefilling", "decoding"}
+    assert set(stats["queues"]) == queues
+    assert stats["lanes_busy"] == {"decode": False, "prefill": False}
+
+
+def test_two_lane_plans_carry_lane_and_rung():
+    d = Driver()
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    d.sched.submit(d.sched.open_session(), list(range(10, 60)), sp)
+    d.sched.submit(d.sched.open_session(), list(range(100, 3100)), sp)
+    plans = d.pump()
+    lanes = {p.lane: p for p in plans}
+    assert set(lanes) == {Lane.DECODE, Lane.PREFILL}
+    assert lanes[Lane.DECODE].rung == lanes[Lane.PREFILL].rung in d.sched.ladder.control
+    assert lanes[Lane.PREFILL].token_budget == SchedulerConfig().scheduler.cold_chunk_tokens
+    assert sum(len(s.token_ids) for s in lanes[Lane.PREFILL].seqs) == 512
+    assert not lanes[Lane.PREFILL].seqs[0].sample, "only the last chunk samples"
