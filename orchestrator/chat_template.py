@@ -154,5 +154,5 @@ def render(
             add_generation_prompt=add_generation_prompt,
             **_plain(variables),
         )
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"chat template failed: {e}") from None
+    except Exception as e:  # the template is untrusted code: any failure is the conversation's or its own
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None

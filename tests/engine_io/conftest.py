@@ -76,6 +76,18 @@ LLAMA_STYLE_TEMPLATE = r"""{{- bos_token }}
 """
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from a second thread, and on a shared 2-core box OpenMP's barrier
+    waits turn each small matmul into tens of milliseconds. One thread keeps these tests fast."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")
@@ -110,6 +122,13 @@ def llama_style_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 4]}))
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_dir: Path):
+    from agentserve.executor.offline import LLM
+
+    return LLM(tiny_dir, dtype="float32", device="cpu", num_blocks=272)  # 4352 tokens: one full-context sequence fits
 
 
 @pytest.fixture(scope="session")
