@@ -29,16 +29,23 @@ def message_dict(m: Message) -> dict[str, Any]:
 
 @dataclass
 class Conversation:
+    tokenizer: Tokenizer
     system: str = ""
     tools: list[dict[str, Any]] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # prompt + output of the turns so far
     raw: bool | None = None  # None until the first turn picks the mode
+    # Chat mode: the rendered text that ``tokens`` stand for exactly (None: re-tokenize everything).
+    exact_text: str | None = None
+    _pending_text: str = ""  # the rendered prompt of the running turn
 
     def head(self) -> list[dict[str, Any]]:
         return [{"role": "system", "content": self.system}] if self.system else []
 
-    def prompt_for(self, turn: Turn, tokenizer: Tokenizer) -> tuple[list[int], list[dict[str, Any]]]:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(self.head() + messages, self.tools or None, add_generation_prompt)
+
+    def prompt_for(self, turn: Turn) -> tuple[list[int], list[dict[str, Any]]]:
         """The full prompt of ``turn`` and the message list it was rendered from."""
         raw = bool(turn.token_ids)
         if self.raw is not None and raw != self.raw:
@@ -50,23 +57,45 @@ class Conversation:
                 turn.session,
             )
         if raw:
-            base = self.tokens if self.raw is not None else self.system_tokens(tokenizer)
+            base = self.tokens if self.raw is not None else self.system_tokens()
             return base + list(turn.token_ids), self.messages
         messages = self.messages + [message_dict(m) for m in turn.messages]
-        prompt = tokenizer.encode_chat(self.head() + messages, self.tools or None, add_generation_prompt=True)
-        return prompt, messages
+        text = self._pending_text = self.render(messages, add_generation_prompt=True)
+        if self.exact_text is not None and text.startswith(self.exact_text):
+            # Keep the exact tokens of what is cached (re-tokenizing the model's output, e.g. a
+            # split UTF-8 character, need not give them back); tokenize only what is new.
+            return self.tokens + self._encode(text[len(self.exact_text) :]), messages
+        return self._encode(text), messages
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def commit(
-        self, raw: bool, prompt: list[int], messages: list[dict[str, Any]], output_ids: list[int], text: str
+        self,
+        raw: bool,
+        prompt: list[int],
+        messages: list[dict[str, Any]],
+        output_ids: list[int],
+        text: str,
+        exact: bool,
     ) -> None:
-        """Record a finished turn: the prompt, the model's reply, and (chat) the reply as a message."""
+        """Record a finished turn: the prompt, the model's reply, and (chat) the reply as a message.
+
+        ``exact``: ``text`` is exactly what ``output_ids`` decode to (not cut by a stop string).
+        """
         self.raw = raw
         self.tokens = prompt + output_ids
-        self.messages = messages if raw else [*messages, {"role": "assistant", "content": text}]
+        if raw:
+            self.messages = messages
+            return
+        self.messages = [*messages, {"role": "assistant", "content": text}]
+        spoken = self._pending_text + text
+        # The template must render the reply verbatim after the prompt for the splice to be exact.
+        verbatim = exact and self.render(self.messages, add_generation_prompt=False).startswith(spoken)
+        self.exact_text = spoken if verbatim else None
 
-    def system_tokens(self, tokenizer: Tokenizer) -> list[int]:
+    def system_tokens(self) -> list[int]:
         """The templated system prompt and tool schemas (empty without either)."""
-        head = self.head()
-        if not head and not self.tools:
+        if not self.head() and not self.tools:
             return []
-        return tokenizer.encode_chat(head, self.tools or None, add_generation_prompt=False)
+        return self._encode(self.render([], add_generation_prompt=False))

@@ -176,9 +176,9 @@ class Server:
         cached = self._cached_tokens(turn)
         for event in turn.finish(finish, t, cached):
             self.ingress.send(rec.client, event)
-        rec.conversation.commit(
-            bool(rec.conversation.raw), turn.prompt, turn.messages, turn.output_ids(), turn.raw_text()
-        )
+        exact = not turn.stopped_by_string
+        conv = rec.conversation
+        conv.commit(bool(conv.raw), turn.prompt, turn.messages, turn.output_ids(), turn.raw_text(), exact)
         self.sched.end_turn(turn.seq_id, in_tool_call=turn.tool_calls_made)
         self.by_seq.pop(turn.seq_id, None)
         rec.last, rec.turn = turn, None
@@ -222,9 +222,9 @@ class Server:
         return rec
 
     def _open(self, client: bytes, msg: OpenSession) -> None:
-        conv = Conversation(system=msg.system, tools=list(msg.tools))
+        conv = Conversation(self.tokenizer, system=msg.system, tools=list(msg.tools))
         try:
-            prompt_tokens = len(conv.system_tokens(self.tokenizer))
+            prompt_tokens = len(conv.system_tokens())
         except Exception as e:  # a template that cannot render these tools
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"cannot render the system prompt: {e}", msg.req) from None
         rec = SessionRecord(self._next_session, client, msg.options.name, conv, msg.options.parse_tool_calls)
@@ -241,7 +241,7 @@ class Server:
                 msg.req,
                 rec.session,
             )
-        prompt, messages = rec.conversation.prompt_for(msg, self.tokenizer)
+        prompt, messages = rec.conversation.prompt_for(msg)
         max_len = self.sched.max_len
         if len(prompt) >= max_len:
             raise ProtocolError(

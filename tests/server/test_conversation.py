@@ -1,0 +1,63 @@
+"""A session's conversation: full prompts per turn that keep the cached tokens exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentserve.executor.builtin import resolve_model
+from agentserve.orchestrator.conversation import Conversation
+from agentserve.orchestrator.protocol import Message, ProtocolError, Turn
+from agentserve.orchestrator.tokenization import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_dir(resolve_model("tiny"))
+
+
+def _turn(*messages: tuple[str, str], token_ids: list[int] | None = None) -> Turn:
+    return Turn(req=1, session=1, messages=[Message(r, c) for r, c in messages], token_ids=token_ids or [])
+
+
+def test_chat_prompt_is_the_rendered_conversation(tok: Tokenizer) -> None:
+    conv = Conversation(tok, system="sys")
+    prompt, messages = conv.prompt_for(_turn(("user", "hi")))
+    expected = tok.encode_chat([{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}])
+    assert prompt == expected and messages == [{"role": "user", "content": "hi"}]
+
+
+def test_split_utf8_output_keeps_its_exact_tokens(tok: Tokenizer) -> None:
+    conv = Conversation(tok, system="sys")
+    prompt, messages = conv.prompt_for(_turn(("user", "price?")))
+    euro = tok.encode("€", add_special_tokens=False)
+    assert len(euro) == 3  # byte-level: one token per UTF-8 byte
+    output = tok.encode("costs ", add_special_tokens=False) + euro[:2]  # stopped mid-character
+    text = tok.decode(output, skip_special_tokens=False)
+    assert tok.encode(text, add_special_tokens=False) != output  # re-tokenizing would not give it back
+    conv.commit(False, prompt, messages, output, text, exact=True)
+    nxt, _ = conv.prompt_for(_turn(("tool", "42")))
+    assert nxt[: len(prompt) + len(output)] == prompt + output
+    tail = conv.render(conv.messages + [{"role": "tool", "content": "42"}], True)[len(conv.exact_text) :]
+    assert nxt[len(prompt) + len(output) :] == tok.encode(tail, add_special_tokens=False)
+
+
+def test_reply_cut_by_a_stop_string_is_re_tokenized(tok: Tokenizer) -> None:
+    conv = Conversation(tok)
+    prompt, messages = conv.prompt_for(_turn(("user", "count")))
+    output = tok.encode("one two STOP three", add_special_tokens=False)
+    conv.commit(False, prompt, messages, output, "one two ", exact=False)
+    nxt, msgs = conv.prompt_for(_turn(("user", "more")))
+    assert conv.exact_text is None
+    assert nxt == tok.encode_chat([*msgs], None)
+
+
+def test_raw_mode_starts_after_the_system_prompt_and_keeps_output(tok: Tokenizer) -> None:
+    conv = Conversation(tok, system="sys")
+    system = tok.encode_chat([{"role": "system", "content": "sys"}], add_generation_prompt=False)
+    prompt, messages = conv.prompt_for(_turn(token_ids=[5, 6]))
+    assert prompt == system + [5, 6]
+    conv.commit(True, prompt, messages, [7, 8], "", exact=True)
+    nxt, _ = conv.prompt_for(_turn(token_ids=[9]))
+    assert nxt == system + [5, 6, 7, 8, 9]
+    with pytest.raises(ProtocolError, match="cannot mix"):
+        conv.prompt_for(_turn(("user", "hi")))
