@@ -89,6 +89,13 @@ class RunRecord:
         return self.end - self.start
 
 
+def after_warmup(run: RunRecord, warmup_s: float) -> RunRecord:
+    """The part of ``run`` measured after ``warmup_s``: requests and tasks that *started* later."""
+    start = run.start + warmup_s
+    return RunRecord(start, max(run.end, start), [r for r in run.requests if r.sent >= start],
+                     [t for t in run.tasks if t.start >= start])
+
+
 @dataclass(frozen=True)
 class SLO:
     ttft_s: float = 2.0

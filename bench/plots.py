@@ -45,7 +45,7 @@ def plot(runs: dict[str, RunRecord], path: str | Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, axes = plt.subplots(1 + len(runs), 2, figsize=(12, 3.5 * (1 + len(runs))), squeeze=False)
     ttft_ax, tpot_ax = axes[0]
@@ -56,6 +56,7 @@ def plot(runs: dict[str, RunRecord], path: str | Path) -> None:
     for ax, what in ((ttft_ax, "TTFT"), (tpot_ax, "TPOT")):
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(f"{what} (ms)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{what} CDF")

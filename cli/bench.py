@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from agentserve.bench import report as reporting
 from agentserve.bench import servers
-from agentserve.bench.metrics import SLO, RunRecord, aggregate
+from agentserve.bench.metrics import SLO, RunRecord, after_warmup, aggregate
 from agentserve.bench.replayer import run_closed_loop
 from agentserve.bench.workload import Workload, WorkloadSpec, load_spec
 
@@ -77,7 +77,9 @@ async def _drive(target: servers.Target, workload: Workload, duration: float, ti
               help="comma-separated: AgentServe scheduler policies (agentserve, fcfs, chunked, llamacpp, "
                    "...; each a fresh `agentserve up`) and/or llama-server (llama.cpp's own server on "
                    "the same weights as GGUF, see scripts/compare_llamacpp.sh)")
-@click.option("--duration", type=float, default=120.0, show_default=True, help="seconds per system")
+@click.option("--duration", type=float, default=120.0, show_default=True, help="measured seconds per system")
+@click.option("--warmup", type=float, default=0.0, show_default=True,
+              help="seconds run before the measured window (its requests are not counted)")
 @click.option("--model", default="bench", show_default=True, help="built-in model or checkpoint folder")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the report")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="write PNG plots")
@@ -93,7 +95,7 @@ async def _drive(target: servers.Target, workload: Workload, duration: float, ti
 @click.option("--tpot-slo-ms", type=float, default=100.0, show_default=True)
 @click.option("--request-timeout", type=float, default=300.0, show_default=True, help="seconds per turn")
 @click.option("--server-arg", "server_args", multiple=True, help="extra argument for `agentserve up`")
-def bench(workload: str, agents: int | None, policies: str, duration: float, model: str,
+def bench(workload: str, agents: int | None, policies: str, duration: float, warmup: float, model: str,
           json_path: str | None, plot_path: str | None, target: str | None, target_dialect: str,
           target_model: str | None, tool_latency_median: float | None, tool_latency_sigma: float | None,
           steps: int | None, seed: int | None, ttft_slo_ms: float, tpot_slo_ms: float,
@@ -116,17 +118,18 @@ def bench(workload: str, agents: int | None, policies: str, duration: float, mod
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         for name, launch in systems:
-            task = progress.add_task(f"{name}: starting", total=duration)
+            task = progress.add_task(f"{name}: starting", total=warmup + duration)
             try:
                 with launch() as tgt:
-                    runs[name] = asyncio.run(_drive(tgt, wl, duration, request_timeout, progress, task))
+                    run = asyncio.run(_drive(tgt, wl, warmup + duration, request_timeout, progress, task))
+                runs[name] = after_warmup(run, warmup)
             except servers.ServerFailed as e:
                 console.print(f"[red]{name}: {e}[/red]")
                 failed.append(name)
     if not runs:
         raise click.ClickException("no system could be benchmarked")
     figures = {name: aggregate(run, slo) for name, run in runs.items()}
-    meta = {"workload": spec.name, "agents": spec.agents, "duration_s": duration,
+    meta = {"workload": spec.name, "agents": spec.agents, "duration_s": duration, "warmup_s": warmup,
             "model": (target_model or "external") if target else model,
             "steps_per_task": spec.steps_per_task, "seed": spec.seed,
             "tool_latency": {"median_s": spec.tool_latency.median_s, "sigma": spec.tool_latency.sigma},

@@ -18,7 +18,7 @@ def test_bench_against_an_external_server_writes_json(tmp_path):
     out = tmp_path / "out.json"
     with ThreadedServer() as fake:
         result = CliRunner().invoke(bench, [
-            "--target", fake.url, "--workload", "react", "--agents", "2", "--duration", "1.5",
+            "--target", fake.url, "--workload", "react", "--agents", "2", "--duration", "1.5", "--warmup", "0.3",
             "--tool-latency-median", "0.05", "--steps", "2", "--json", str(out), "--tpot-slo-ms", "1000",
         ])
     assert result.exit_code == 0, result.output
@@ -27,6 +27,7 @@ def test_bench_against_an_external_server_writes_json(tmp_path):
     assert figs["requests"] > 0 and figs["errors"] == 0
     assert figs["tpot"]["p95"] > 0 and figs["throughput_tok_s"] > 0
     assert data["meta"]["agents"] == 2 and data["meta"]["steps_per_task"] == 2
+    assert data["meta"]["warmup_s"] == 0.3 and figs["elapsed_s"] >= 1.5
     # every request resent the growing conversation as token ids
     assert all(isinstance(b["prompt"], list) for b in fake.bodies)
     assert "TPOT p95" in result.output

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from agentserve.bench.metrics import SLO, RequestRecord, RunRecord, TaskRecord, aggregate, summary
+from agentserve.bench.metrics import (
+    SLO,
+    RequestRecord,
+    RunRecord,
+    TaskRecord,
+    after_warmup,
+    aggregate,
+    summary,
+)
 
 
 def _req(sent, chunks, kind="resume", agent=0, task=0, step=1, error=None):
@@ -84,3 +92,14 @@ def test_aggregate_of_an_empty_run_is_well_defined():
     m = aggregate(RunRecord(0.0, 1.0), SLO())
     assert m["requests"] == 0 and m["slo_attainment"] == 0.0 and m["goodput"] == 0.0
     assert m["tpot"]["p95"] is None
+
+
+def test_after_warmup_keeps_what_started_in_the_measured_window():
+    reqs = [_req(1.0, [(2.5, 1)]), _req(3.0, [(3.5, 1)]), _req(6.0, [(7.0, 2)])]
+    tasks = [TaskRecord(0, 0, 1.0, 4.0), TaskRecord(0, 1, 6.0, None)]
+    run = after_warmup(RunRecord(0.0, 10.0, reqs, tasks), 2.0)
+    assert (run.start, run.end) == (2.0, 10.0)
+    assert [r.sent for r in run.requests] == [3.0, 6.0]
+    assert [t.task for t in run.tasks] == [1]
+    # throughput over the 8 s window: 3 tokens
+    assert aggregate(run, SLO())["throughput_tok_s"] == pytest.approx(3 / 8)
