@@ -86,7 +86,8 @@ def run_generate(opts: dict[str, Any]) -> None:
                                                   "device": opts["device"], "prefill_chunk_size": opts["chunk_size"]})
     path = resolve_model(str(engine["model"]), str(engine["cache_dir"]) or None)
     load_config(path)  # unknown architecture / bad config.json: fail before loading weights
-    tokenizer = Tokenizer.from_dir(path)
+    needs_text = any(p.ids is None for p in opts["prompts"]) or (path / "tokenizer.json").exists()
+    tokenizer = Tokenizer.from_dir(path) if needs_text else None  # token ids only: the tokenizer is optional
     prompts = [_encode(p, tokenizer, opts["chat"]) for p in opts["prompts"]]
     params = SamplingParams(temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"],
                             min_p=opts["min_p"], seed=opts["seed"], max_tokens=opts["max_tokens"],

@@ -30,6 +30,18 @@ log = logging.getLogger(__name__)
 MIN_PREFILL_BUDGET = 4096  # tokens per prefill step (at least one chunk)
 
 
+def load_tokenizer(path: Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer; ``None`` when it has none (token-id prompts still work, text is empty)."""
+    if not (path / "tokenizer.json").is_file():
+        log.warning("%s has no tokenizer.json: outputs will carry token ids but no text", path)
+        return None
+    return Tokenizer.from_dir(path)
+
+
+def _no_text(ids: list[int], skip_special_tokens: bool = True) -> str:
+    return ""
+
+
 @dataclass
 class GenerationOutput:
     token_ids: list[int]
@@ -69,11 +81,11 @@ class LLM:
                  **runner_kwargs) -> None:
         path = resolve_model(str(model), cache_dir)
         self.runner = ModelRunner(path, **runner_kwargs)
-        self.tokenizer = Tokenizer.from_dir(path)
+        self.tokenizer = load_tokenizer(path)
         self.sampler = Sampler()
         self.max_batch_size = max_batch_size
         eos = list(self.runner.config.eos_token_ids)
-        self.eos_token_ids = set(eos + self.tokenizer.eos_token_ids)
+        self.eos_token_ids = set(eos + (self.tokenizer.eos_token_ids if self.tokenizer else []))
 
     @property
     def max_model_len(self) -> int:
@@ -111,6 +123,8 @@ class LLM:
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params, {len(stop)} stops")
         if chunk_size <= 0:
             raise InvalidRequestError(f"chunk size must be > 0, got {chunk_size}")
+        if self.tokenizer is None and any(stop):
+            raise InvalidRequestError("stop strings need a tokenizer; this checkpoint has no tokenizer.json")
         vocab = self.runner.config.vocab_size
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             try:
@@ -134,7 +148,8 @@ class LLM:
 
     def _new_seq(self, i: int, prompt: list[int], sp: SamplingParams, stop: list[str]) -> _Seq:
         gen = make_generator(sp.seed, self.runner.device if self.runner.device.type == "cuda" else "cpu")
-        return _Seq(i, list(prompt), sp, gen, self.tokenizer.detokenizer(), StopStringMatcher(stop))
+        detok = self.tokenizer.detokenizer() if self.tokenizer else IncrementalDetokenizer(_no_text)
+        return _Seq(i, list(prompt), sp, gen, detok, StopStringMatcher(stop))
 
     def _admit(self, waiting: deque[_Seq], running: list[_Seq], free: list[int]) -> None:
         while waiting and len(running) < self.max_batch_size:
