@@ -24,12 +24,13 @@ class BatchHost(Protocol):
 
 class Batch:
     __slots__ = (
-        "host", "lane", "max_seqs", "now", "entries", "seqs", "in_batch", "num_decode",
+        "host", "lane", "max_seqs", "now", "block_size", "entries", "seqs", "in_batch", "num_decode",
         "num_prefill_tokens", "blocked",
     )  # fmt: skip
 
-    def __init__(self, host: BatchHost, lane: Lane, max_seqs: int, now: float) -> None:
+    def __init__(self, host: BatchHost, lane: Lane, max_seqs: int, now: float, block_size: int) -> None:
         self.host, self.lane, self.max_seqs, self.now = host, lane, max_seqs, now
+        self.block_size = block_size
         self.entries: list[tuple[Request, int, bool]] = []  # (request, tokens fed, sampled)
         self.seqs: list[SeqPlan] = []
         self.in_batch: set[int] = set()
@@ -47,11 +48,15 @@ class Batch:
 
     def decode(self, req: Request) -> bool:
         """Add one decode token of ``req``; False if it cannot run this step."""
-        if self.full or req.state is not ReqState.DECODE or req.inflight or req.seq_id in self.in_batch:
+        seqs = self.seqs
+        if len(seqs) >= self.max_seqs or req.state is not ReqState.DECODE or req.inflight:
             return False
-        if not self.host.grow(req, len(req.tokens), self):
+        if req.seq_id in self.in_batch:
             return False
-        self._add(req, [req.tokens[-1]], True)
+        tokens, table = req.tokens, req.block_table
+        if len(tokens) > len(table) * self.block_size and not self.host.grow(req, len(tokens), self):
+            return False
+        self._add(req, [tokens[-1]], True)
         self.num_decode += 1
         return True
 

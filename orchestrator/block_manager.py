@@ -101,8 +101,11 @@ class BlockManager:
                 self._unseal(block)
                 self.free.append(bid)
 
-    def seal(self, bid: int, parent: int | None, tokens: tuple[int, ...], ready: bool) -> int:
-        """Give a full block its key and make it findable (the first sealed copy stays the one found)."""
+    def seal(self, bid: int, parent: int | None, tokens: tuple[int, ...], ready: bool, h: int | None = None) -> int:
+        """Give a full block its key and make it findable (the first sealed copy stays the one found).
+
+        ``h``, when given, must be ``block_hash(parent's hash, tokens)`` (a caller's cached value).
+        """
         block = self.blocks[bid]
         if len(tokens) != self.block_size or block.tokens is not None:
             raise AssertionError(f"block {bid}: seal needs an unsealed block and {self.block_size} tokens")
@@ -113,7 +116,7 @@ class BlockManager:
             if p.hash is None:
                 raise AssertionError(f"block {bid}: parent block {parent} is not sealed")
             parent_hash, block.parent = p.hash, (parent, p.epoch)
-        block.hash = block_hash(parent_hash, tokens)
+        block.hash = block_hash(parent_hash, tokens) if h is None else h
         block.tokens = tokens
         block.ready = ready
         holder = self.table.get(block.hash)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from agentserve.shm.messages import Finish
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
+class TokenEvent(msgspec.Struct, frozen=True, gc=False):
     """A new token for ``seq_id`` (``token_id`` -1: none, e.g. an abort) and/or its end.
 
     ``first`` marks the request's first token (its TTFT is ``t - arrival``); ``finish`` is

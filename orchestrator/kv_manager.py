@@ -46,20 +46,22 @@ class KVManager:
 
     def match(self, req: Request) -> tuple[list[int], bool]:
         """Blocks holding a verified prefix of ``req.tokens``, and whether all are computed."""
-        pool = self.pool
-        blocks, lookup, keys = pool.blocks, pool.lookup, req.keys
+        blocks, table, keys = self.pool.blocks, self.pool.table, req.keys
         hits: list[int] = []
-        parent = None
+        want = None  # (parent block, its epoch): what a hit's ``parent`` must be
         ready = True
-        for i, h in enumerate(self._hashes(req)):
-            bid = lookup(h, keys[i], parent)
+        for i, h in enumerate(self._hashes(req)):  # BlockManager.lookup, inlined: this loop is hot
+            bid = table.get(h)
             if bid is None:
                 break
+            block = blocks[bid]
+            if block.parent != want or block.tokens != keys[i]:
+                break
             hits.append(bid)
-            if ready and not blocks[bid].ready:
+            if ready and not block.ready:
                 ready = False
-                req.deferred_on = (bid, blocks[bid].epoch)
-            parent = bid
+                req.deferred_on = (bid, block.epoch)
+            want = (bid, block.epoch)
         if hits and len(hits) * self.block_size >= len(req.tokens):
             hits.pop()  # at least one token must be fed to sample from
         return hits, ready
@@ -132,10 +134,10 @@ class KVManager:
     def _seal_until(self, req: Request, num_full: int, ready: bool) -> None:
         if num_full <= req.num_sealed:
             return
-        self._hashes(req)
+        hashes = self._hashes(req)
         table, keys, seal = req.block_table, req.keys, self.pool.seal
         for i in range(req.num_sealed, num_full):
-            seal(table[i], table[i - 1] if i else None, keys[i], ready)
+            seal(table[i], table[i - 1] if i else None, keys[i], ready, hashes[i])
         req.num_sealed = num_full
 
     def free(self, req: Request) -> None:

@@ -29,6 +29,7 @@ class Queues:
         self.waiting: dict[Phase, deque[Request]] = {p: deque() for p in PREFILL_PHASES}
         self.prefilling: dict[Phase, dict[int, Request]] = {p: {} for p in PREFILL_PHASES}
         self.decoding: dict[int, Request] = {}
+        self.prioritised = 0  # decoding requests with a non-zero priority
 
     def push_waiting(self, req: Request, front: bool = False) -> None:
         req.state = ReqState.WAITING
@@ -46,6 +47,7 @@ class Queues:
         del self.prefilling[req.phase][req.seq_id]
         req.state, req.phase = ReqState.DECODE, Phase.DECODE
         self.decoding[req.seq_id] = req
+        self.prioritised += req.priority != 0
 
     def remove(self, req: Request) -> None:
         """Take ``req`` out of whichever queue holds it."""
@@ -55,11 +57,12 @@ class Queues:
             del self.prefilling[req.phase][req.seq_id]
         elif req.state is ReqState.DECODE:
             del self.decoding[req.seq_id]
+            self.prioritised -= req.priority != 0
 
     def decode_order(self, by_priority: bool) -> list[Request]:
         """Decoding requests in admission order, or highest priority first, then oldest."""
         reqs = list(self.decoding.values())
-        if by_priority:
+        if by_priority and self.prioritised:
             reqs.sort(key=_by_priority)
         return reqs
 

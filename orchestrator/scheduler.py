@@ -72,6 +72,20 @@ STATS_WINDOW_S = 10.0
 PHASE_RANK = {Phase.COLD: 0, Phase.RESUME: 1, Phase.DECODE: 2}
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class Inflight:
     __slots__ = ("step", "rung", "entries", "sent")
 
@@ -137,14 +151,18 @@ class Scheduler:
             raise RuntimeError(f"session {session_id!r} already runs turn {session.active.seq_id}")
         sampling = sampling or SamplingParams()
         sampling.validate()
-        tokens = list(token_ids) if full_prompt else session.tokens + list(token_ids)
+        previous = session.tokens
+        tokens = list(token_ids) if full_prompt else previous + list(token_ids)
         if not tokens or len(tokens) >= self.max_len:
             raise ValueError(f"prompt of {len(tokens)} tokens does not fit (max {self.max_len - 1})")
+        common = _common_prefix(previous, tokens) if full_prompt else len(previous)
         if full_prompt:
-            self._truncate_session(session, tokens)
+            self._truncate_session(session, tokens, common)
         session.observe_tool_return(now, self.tool_samples)
         self._claim(session)
         req = Request(next(self.seq_ids), session, tokens, sampling, priority, now)
+        valid = common // self.kv.block_size  # block hashes of the shared conversation prefix
+        req.hashes, req.keys = session.hashes[:valid], session.keys[:valid]
         req.phase = self._classify(req)
         session.active = req
         self.requests[req.seq_id] = req
@@ -218,12 +236,14 @@ class Scheduler:
         inflight = self._land(result.lane, result.step)
         sampled = {s.seq_id: s for s in result.seqs}
         events = self.take_events()
+        bs = self.kv.block_size
         for req, n, sample in inflight.entries:
             req.inflight = False
             if req.state is ReqState.FINISHED:
                 continue
             req.num_computed += n
-            self.kv.on_computed(req)
+            if req.num_computed >= (req.num_ready + 1) * bs:
+                self.kv.on_computed(req)
             if sample:
                 sr = sampled.get(req.seq_id)
                 if sr is None or sr.token_id < 0:
@@ -299,7 +319,7 @@ class Scheduler:
 
     def _plan_lane(self, lane: Lane, now: float) -> tuple[Plan | None, bool]:
         other = [v.rung for k, v in self.lanes.items() if k is not lane and v is not None]
-        batch = Batch(self, lane, self.policy.max_seqs(lane), now)
+        batch = Batch(self, lane, self.policy.max_seqs(lane), now, self.kv.block_size)
         decision = self.policy.fill(lane, batch, self.q, now, other[0] if other else None)
         if decision is None or not batch.seqs:
             return None, batch.blocked
@@ -358,7 +378,7 @@ class Scheduler:
             self.releases.append(req.seq_id)
         session = req.session
         session.active = None
-        session.tokens = req.tokens
+        session.tokens, session.hashes, session.keys = req.tokens, req.hashes, req.keys
         if had_kv and req.block_table and not session.closed and self.policy.retains:
             self.kv.retain(req, session)
             self._pin(session, now + self.config.kv.turn_end_grace_s)
@@ -412,13 +432,8 @@ class Scheduler:
     def _phase_for(self, uncached: int) -> Phase:
         return Phase.COLD if uncached > self.config.scheduler.cold_threshold_tokens else Phase.RESUME
 
-    def _truncate_session(self, session: Session, tokens: list[int]) -> None:
+    def _truncate_session(self, session: Session, tokens: list[int], common: int) -> None:
         """Keep the session's retained KV only for the longest block-aligned common prefix."""
-        common = 0
-        for a, b in zip(session.tokens, tokens, strict=False):
-            if a != b:
-                break
-            common += 1
         keep_tokens = min(common, session.num_computed, len(tokens) - 1)
         keep = keep_tokens // self.kv.block_size
         if session.holds_blocks and keep_tokens < session.num_computed:

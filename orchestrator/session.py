@@ -33,7 +33,7 @@ def quantile(values: list[float], q: float) -> float:
 class Session:
     __slots__ = (
         "session_id", "tokens", "num_computed", "block_table", "num_sealed", "pin_deadline",
-        "active", "tool_started", "tool_latencies", "closed",
+        "active", "tool_started", "tool_latencies", "closed", "hashes", "keys",
     )  # fmt: skip
 
     def __init__(self, session_id: str) -> None:
@@ -47,6 +47,8 @@ class Session:
         self.tool_started: float | None = None
         self.tool_latencies: deque[float] = deque(maxlen=MAX_SAMPLES)
         self.closed = False
+        self.hashes: list[int] = []  # block hashes / keys of ``tokens`` (handed on to the next turn)
+        self.keys: list[tuple[int, ...]] = []
 
     @property
     def holds_blocks(self) -> bool:

@@ -64,9 +64,10 @@ class SimReport:
     turns_expected: int
     end_time: float
     stats: dict
-    decide_us: list[float]  # schedule() calls that produced messages
+    decide_us: list[float]  # CPU time of schedule() calls that produced messages
     overlaps: int
-    result_us: list[float] = field(default_factory=list)  # on_result() calls
+    result_us: list[float] = field(default_factory=list)  # CPU time of on_result() calls
+    decide_wall_us: list[float] = field(default_factory=list)  # wall time of the same schedule() calls
 
 
 class Sim:
@@ -145,10 +146,11 @@ class Sim:
         self.report.submits[seq] = t
 
     def _pump(self, t: float) -> None:
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         msgs = self.sched.schedule(t)
         if msgs:
-            self.report.decide_us.append((time.perf_counter() - t0) * 1e6)
+            self.report.decide_us.append((time.thread_time_ns() - c0) / 1e3)
+            self.report.decide_wall_us.append((time.perf_counter_ns() - t0) / 1e3)
         for msg in msgs:
             if isinstance(msg, Plan):
                 self._send(msg, t)
@@ -173,9 +175,9 @@ class Sim:
         self._push(result.t_end, "result", result)
 
     def _result(self, result: Result, t: float) -> None:
-        t0 = time.perf_counter()
+        c0 = time.thread_time_ns()
         events = self.sched.on_result(result, t)
-        self.report.result_us.append((time.perf_counter() - t0) * 1e6)
+        self.report.result_us.append((time.thread_time_ns() - c0) / 1e3)
         self._events(events, t)
 
     def _events(self, events: list[TokenEvent], t: float) -> None:

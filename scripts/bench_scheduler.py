@@ -5,7 +5,8 @@ Agents run a ReAct-like loop against the fake executor on a simulated clock: a ~
 prefill (a shared system prompt plus their own part), then turns of ~40 decoded tokens, a
 log-normal tool latency (median 1 s) and a 30-400-token resume prefill.  At any moment some agents
 decode, some are in their tool, some resume and some cold-prefill.  Timed: each ``schedule()`` call
-that produced a decision (wall clock, this process), and each ``on_result()``.
+that produced a decision, and each ``on_result()``, as CPU time of this thread (``p50_us``,
+``p99_us``: immune to other processes on a shared machine) and as wall time (``wall_*``).
 
     python scripts/bench_scheduler.py --agents 8,32,128 --json
 """
@@ -44,13 +45,15 @@ def bench(n: int, policy: str, turns: int, seed: int) -> dict[str, object]:
     t0 = time.perf_counter()
     report = sim.run()
     wall = time.perf_counter() - t0
-    decide, result = report.decide_us, report.result_us
+    decide, result, decide_wall = report.decide_us, report.result_us, report.decide_wall_us
     return {
         "agents": n,
         "policy": policy,
         "p50_us": round(quantile(decide, 0.5), 1),
         "p99_us": round(quantile(decide, 0.99), 1),
         "max_us": round(max(decide), 1),
+        "wall_p50_us": round(quantile(decide_wall, 0.5), 1),
+        "wall_p99_us": round(quantile(decide_wall, 0.99), 1),
         "on_result_p50_us": round(quantile(result, 0.5), 1),
         "on_result_p99_us": round(quantile(result, 0.99), 1),
         "decisions": len(decide),

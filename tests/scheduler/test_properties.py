@@ -46,7 +46,7 @@ def workloads(draw):
     return agents, block_size, num_blocks
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads(), policy=st.sampled_from(POLICY_NAMES), partitioned=st.booleans())
 def test_kv_invariants_hold_and_everything_finishes(workload, policy, partitioned):
     agents, block_size, num_blocks = workload
