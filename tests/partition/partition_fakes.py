@@ -151,10 +151,20 @@ class FakeCuda:
         stream.synchronize()
 
 
+class GroupParams:
+    """CU_DEV_SM_RESOURCE_GROUP_PARAMS: zero-initialised, the caller sets ``smCount``."""
+
+    def __init__(self) -> None:
+        self.smCount = 0
+        self.coscheduledSmCount = 0
+        self.flags = 0
+
+
 class FakeDriver:
     """``cuda.bindings.driver`` for one device with ``sms`` SMs and compute capability ``cc``."""
 
     CUresult = CUresult
+    CU_DEV_SM_RESOURCE_GROUP_PARAMS = GroupParams
     CUdevResourceType = SimpleNamespace(CU_DEV_RESOURCE_TYPE_SM=1)
     CUgreenCtxCreate_flags = SimpleNamespace(CU_GREEN_CTX_DEFAULT_STREAM=1)
     CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
@@ -262,6 +272,16 @@ class FakeDriver:
             groups,
             self._resource(rest),
         )
+
+    def cuDevSmResourceSplit(self, groups: int, resource: Resource, flags: int, params: list[GroupParams]):
+        err = self._enter("cuDevSmResourceSplit", [p.smCount for p in params])
+        if err:
+            return (err, None, None)
+        sizes = [p.smCount for p in params]
+        if any(n < self.min_size or n % self.align for n in sizes) or sum(sizes) > resource.sm.smCount:
+            return (CUresult.CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION, None, None)
+        rest = resource.sm.smCount - sum(sizes)
+        return (CUresult.CUDA_SUCCESS, [self._resource(n) for n in sizes], self._resource(rest))
 
     def cuDevResourceGenerateDesc(self, resources: list[Resource], n: int):
         err = self._enter("cuDevResourceGenerateDesc")

@@ -122,3 +122,13 @@ def check_ladder_any(ladder, total: int, min_size: int, align: int, n_shares: in
     for r in ladder[:-1]:
         assert r.decode_units % align == 0 and r.decode_units >= min_size
         assert r.prefill_units >= min_size and r.decode_units + r.prefill_units == total
+
+
+def test_explicit_split_is_used_when_split_by_count_is_missing() -> None:
+    gpu = Gpu(170, (12, 0))
+    gpu.drv.without("cuDevSmResourceSplitByCount")
+    backend = GreenCtxBackend(gpu.drv, gpu.cuda)
+    assert decode_sizes(backend.ladder) == [16, 32, 48, 72, 88, 104, 120, 136, 152]
+    asked = [arg for name, arg in gpu.drv.log if name == "cuDevSmResourceSplit"]
+    assert asked == [[d] for d in decode_sizes(backend.ladder)]
+    backend.close()
