@@ -45,23 +45,41 @@ class KVManager:
         return hashes
 
     def match(self, req: Request) -> tuple[list[int], bool]:
-        """Blocks holding a verified prefix of ``req.tokens``, and whether all are computed."""
+        """Blocks holding a verified prefix of ``req.tokens``, and whether all are computed.
+
+        The walk is remembered in ``req.hit_cache`` as (block, epoch) pairs: the next call (the
+        admission after the submit-time peek, or a retry) only re-checks the epochs — a block
+        whose epoch is unchanged still holds the same content — and walks on from there.
+        """
         blocks, table, keys = self.pool.blocks, self.pool.table, req.keys
+        hashes = self._hashes(req)
+        cache = req.hit_cache
         hits: list[int] = []
-        want = None  # (parent block, its epoch): what a hit's ``parent`` must be
         ready = True
-        for i, h in enumerate(self._hashes(req)):  # BlockManager.lookup, inlined: this loop is hot
-            bid = table.get(h)
+        want = None  # (parent block, its epoch): what the next hit's ``parent`` must be
+        for pair in cache:
+            block = blocks[pair[0]]
+            if block.epoch != pair[1] or block.tokens is None:
+                del cache[len(hits) :]
+                break
+            hits.append(pair[0])
+            if ready and not block.ready:
+                ready = False
+                req.deferred_on = pair
+            want = pair
+        for i in range(len(hits), len(hashes)):  # BlockManager.lookup, inlined: this loop is hot
+            bid = table.get(hashes[i])
             if bid is None:
                 break
             block = blocks[bid]
             if block.parent != want or block.tokens != keys[i]:
                 break
+            want = (bid, block.epoch)
             hits.append(bid)
+            cache.append(want)
             if ready and not block.ready:
                 ready = False
-                req.deferred_on = (bid, block.epoch)
-            want = (bid, block.epoch)
+                req.deferred_on = want
         if hits and len(hits) * self.block_size >= len(req.tokens):
             hits.pop()  # at least one token must be fed to sample from
         return hits, ready

@@ -38,7 +38,7 @@ class Phase(enum.IntEnum):
 class Request:
     __slots__ = (
         "seq_id", "session", "tokens", "num_prompt", "sampling", "priority", "arrival", "state",
-        "phase", "num_computed", "block_table", "hashes", "keys", "deferred_on", "num_sealed", "num_ready",
+        "phase", "num_computed", "block_table", "hashes", "keys", "hit_cache", "deferred_on", "num_sealed", "num_ready",
         "blocks_sent", "sampling_sent", "inflight", "num_output", "first_token_t", "last_token_t", "queued_since",
         "first_service_t", "finish", "abort_pending", "end_tool", "num_cached", "preemptions",
     )  # fmt: skip
@@ -65,6 +65,7 @@ class Request:
         self.block_table: list[int] = []
         self.hashes: list[int] = []  # chained hash of each full block of ``tokens`` (a cache)
         self.keys: list[tuple[int, ...]] = []  # the token ids of each full block (a cache)
+        self.hit_cache: list[tuple[int, int]] = []  # the last prefix walk: (block, epoch) pairs
         self.deferred_on: tuple[int, int] | None = None  # (block, epoch) an admission waits for
         self.num_sealed = 0  # leading blocks of ``block_table`` that are sealed
         self.num_ready = 0  # leading blocks known to be computed

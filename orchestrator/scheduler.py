@@ -117,6 +117,7 @@ class Scheduler:
         self.held: dict[str, Session] = {}  # sessions holding blocks (pinned or in grace)
         self.next_expiry = math.inf
         self.lanes: dict[Lane, Inflight | None] = {lane: None for lane in self.policy.lanes}
+        self.last_rung: dict[Lane, int] = {}  # rung of each lane's latest plan
         self.releases: list[int] = []
         self.seq_ids = itertools.count(1)
         self.steps = itertools.count(1)
@@ -328,6 +329,7 @@ class Scheduler:
         for req, _, _ in batch.entries:
             req.inflight = True
         self.lanes[lane] = Inflight(step, rung, batch.entries, now)
+        self.last_rung[lane] = rung
         self.counters["plans"] += 1
         return Plan(step, lane, rung, budget, batch.seqs), batch.blocked
 
@@ -496,6 +498,7 @@ class Scheduler:
             "sessions": len(self.sessions),
             "sessions_in_tool": in_tool,
             "lanes_busy": {lane.name.lower(): v is not None for lane, v in self.lanes.items()},
+            "lane_rungs": {lane.name.lower(): rung for lane, rung in self.last_rung.items()},
             "kv": {
                 "blocks": pool.num_blocks,
                 "used": pool.num_used(),
