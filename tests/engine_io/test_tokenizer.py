@@ -73,3 +73,21 @@ def test_corrupt_tokenizer_config(tiny_dir, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps([1, 2]))
     with pytest.raises(TokenizerError, match="JSON object"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_orchestrator_side_stays_torch_free(tiny_dir):
+    """The orchestrator tokenises, detokenises, parses tool calls and may create built-in models: no torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from agentserve.orchestrator import tokenization, tool_calls, stop_strings, detokenizer, chat_template\n"
+        "from agentserve.executor import builtin, stopping\n"
+        "from agentserve.cli import prompts\n"
+        f"t = tokenization.Tokenizer.from_dir({str(tiny_dir)!r})\n"
+        "t.apply_chat_template([{'role': 'user', 'content': 'x'}])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
