@@ -221,3 +221,30 @@ def test_two_lane_plans_carry_lane_and_rung():
     assert lanes[Lane.PREFILL].token_budget == SchedulerConfig().scheduler.cold_chunk_tokens
     assert sum(len(s.token_ids) for s in lanes[Lane.PREFILL].seqs) == 512
     assert not lanes[Lane.PREFILL].seqs[0].sample, "only the last chunk samples"
+
+
+def test_end_turn_while_in_flight_applies_when_the_step_returns():
+    d = Driver()
+    sid = d.sched.open_session()
+    seq = d.sched.submit(sid, list(range(10, 60)), SamplingParams(max_tokens=100, ignore_eos=True))
+    d.pump()
+    d.land()
+    d.pump()  # a decode step in flight
+    d.sched.end_turn(seq, in_tool_call=True, now=d.now)
+    assert seq in d.sched.requests, "still in flight"
+    d.land()
+    assert any(e.seq_id == seq and e.finish is Finish.ABORT for e in d.events)
+    session = d.sched.sessions[sid]
+    assert session.holds_blocks and session.pin_deadline > d.now and session.tool_started == d.now
+
+
+def test_executor_error_aborts_the_failed_step_and_frees_the_lane():
+    from agentserve.shm.messages import ExecError
+
+    d = Driver("chunked")
+    seq = d.sched.submit(d.sched.open_session(), [1, 2, 3], SamplingParams(max_tokens=9, ignore_eos=True))
+    (plan,) = d.pump()
+    events = d.sched.on_error(ExecError("boom", step=plan.step, seq_ids=[seq]), now=d.now)
+    assert [(e.seq_id, e.finish) for e in events] == [(seq, Finish.ABORT)]
+    assert d.sched.idle() and d.sched.idle_lanes()
+    d.sched.check()
