@@ -143,6 +143,7 @@ class LaneWorker:
         self._bind_error: BaseException | None = None
         self._count = 0
         self._stopping = False
+        self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name or f"lane-{self.lane.name.lower()}", daemon=True)
 
     def start(self, timeout: float = 10.0) -> LaneWorker:
@@ -157,12 +158,13 @@ class LaneWorker:
         self, fn: Callable[[LaneBinding], T], *, after: Iterable[Marker] = (), rung: int | None = None
     ) -> LaneStep[T]:
         """Queue ``fn(binding)``; ``rung`` rebinds the lane before this step (and for the ones after)."""
-        if self._stopping:
-            raise RuntimeError(f"{self._thread.name} is stopped")
         if rung is not None:
             self.backend.rung(rung)
         step: LaneStep[T] = LaneStep()
-        self._queue.put(_Item(fn, tuple(after), rung, step))
+        with self._submit_lock:  # nothing is queued behind the stop sentinel
+            if self._stopping:
+                raise RuntimeError(f"{self._thread.name} is stopped")
+            self._queue.put(_Item(fn, tuple(after), rung, step))
         return step
 
     def rebind(self, rung: int) -> None:
@@ -172,9 +174,12 @@ class LaneWorker:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Finish the queued steps, unbind, join."""
-        self._stopping = True
-        if self._thread.is_alive():
+        with self._submit_lock:
+            first = not self._stopping
+            self._stopping = True
+        if first and self._thread.is_alive():
             self._queue.put(_STOP)
+        if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"{self._thread.name} did not stop within {timeout}s")
