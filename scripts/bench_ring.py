@@ -9,9 +9,10 @@ The ring uses the production geometry (``RingPair`` defaults: 64 slots x 128 KiB
 Per transport and message kind:
 
 * ``p50_us`` / ``p99_us``: paced one-way latency, the sender sleeping ``--gap-us`` between
-  messages (~0.15 ms with timer slack: the ring reader is still in its 1 ms spin, unless the CPU
-  is contended, when it parks).  ``parked_p50_us``: a 5 ms gap, so the ring reader sleeps on
-  its semaphore when the message comes (the wake-up path).
+  messages (~0.15 ms with timer slack), the ring reader with its default (no) spin: it parks and
+  is woken through its semaphore.  ``spin2ms_*``: the same with a reader that
+  spins 2 ms, as one with a core of its own may (a contended CPU defeats it).
+  ``parked_*``: 5 ms between messages.
 * ``msgs_per_s``: the sender as fast as it can, first send to last arrival (best of 2 runs).
   The receiver gets the message bytes (``get_bytes`` / ``recv``).
 * ``send_cpu_us`` / ``recv_cpu_us``: CPU per message of each process (all its threads, so ZeroMQ's
@@ -48,11 +49,11 @@ from agentserve.shm.messages import (
     from_executor_codec,
     to_executor_codec,
 )
-from agentserve.shm.ring import RingReader, RingWriter
+from agentserve.shm.ring import DEFAULT_SPIN_S, RingReader, RingWriter
 
 STAMP = 2**62  # placeholder step: always encoded as 0xcf + 8 bytes
 WARMUP = 2000
-SPIN_S = float(os.environ.get("AGENTSERVE_BENCH_SPIN_US", "1000")) / 1e6  # reader spin (spawn-safe)
+LONG_SPIN_S = 2e-3
 CODECS = {"plan": to_executor_codec, "result": from_executor_codec}
 
 
@@ -85,8 +86,8 @@ def _receive(recv, n: int, off: int, decoded: bool) -> dict:
     return {"lat_ns": lat, "t_last": end, "cpu_s": time.process_time() - cpu0}
 
 
-def ring_receiver(run: str, kind: str, n: int, off: int, decode: bool, q) -> None:
-    r = RingReader.attach(run, kind, CODECS[kind](), spin_s=SPIN_S)
+def ring_receiver(run: str, kind: str, n: int, off: int, decode: bool, spin_s: float, q) -> None:
+    r = RingReader.attach(run, kind, CODECS[kind](), spin_s=spin_s)
     try:
         q.put(_receive(r.get if decode else r.get_bytes, n, off, decode))
     finally:
@@ -149,12 +150,14 @@ def _summary(sent: dict, got: dict, n: int) -> dict:
     }
 
 
-def run_ring(ctx, kind: str, raw: bytes, off: int, n: int, gap_ns: int, decode: bool) -> dict:
+def run_ring(
+    ctx, kind: str, raw: bytes, off: int, n: int, gap_ns: int, decode: bool, spin_s: float = DEFAULT_SPIN_S
+) -> dict:
     run = f"bench{os.getpid()}"
     w = RingWriter.create(run, kind, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE)
     q = ctx.Queue()
     try:
-        p = ctx.Process(target=ring_receiver, args=(run, kind, n, off, decode, q))
+        p = ctx.Process(target=ring_receiver, args=(run, kind, n, off, decode, spin_s, q))
         p.start()
         w.expect_peer(p.pid)
         while w.peer_pid != p.pid and p.is_alive():  # the reader writes its pid once mapped
@@ -207,17 +210,22 @@ def measure(fn, ctx, kind: str, raw: bytes, off: int, args: argparse.Namespace) 
     tput = max((fn(ctx, kind, raw, off, args.throughput_msgs, 0, False) for _ in range(2)),
                key=lambda t: t["msgs_per_s"])
     dec = fn(ctx, kind, raw, off, args.throughput_msgs // 2, 0, True)
-    return {
+    out = {
         "bytes": len(raw),
         "p50_us": round(lat["p50_us"], 2),
         "p99_us": round(lat["p99_us"], 2),
         "parked_p50_us": round(parked["p50_us"], 2),
+        "parked_p99_us": round(parked["p99_us"], 2),
         "msgs_per_s": round(tput["msgs_per_s"]),
         "send_cpu_us": round(tput["send_cpu_us"], 2),
         "recv_cpu_us": round(tput["recv_cpu_us"], 2),
         "capacity_msgs_per_s": round(1e6 / max(tput["send_cpu_us"], tput["recv_cpu_us"])),
         "decode_msgs_per_s": round(dec["msgs_per_s"]),
     }
+    if fn is run_ring:  # what a reader with a core of its own would do: spin through the gap
+        spun = run_ring(ctx, kind, raw, off, args.latency_msgs, int(args.gap_us * 1e3), False, LONG_SPIN_S)
+        out.update(spin2ms_p50_us=round(spun["p50_us"], 2), spin2ms_p99_us=round(spun["p99_us"], 2))
+    return out
 
 
 def bench(args: argparse.Namespace) -> dict:
