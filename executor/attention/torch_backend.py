@@ -32,6 +32,14 @@ class _DecodePlan:
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
 
 
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Tokens of ``blocks`` ([N] or [B, N]) as ``[N * block_size, ...]`` or ``[B, N * block_size, ...]``.
+
+    ``index_select`` on the flat block axis: on CPU it is ~10x faster than advanced indexing."""
+    out = cache.index_select(0, blocks.reshape(-1))
+    return out.view(*blocks.shape[:-1], -1, *cache.shape[2:])
+
+
 class TorchAttention(AttentionBackend):
     """Reference backend. Decode runs GQA by folding each KV head's query group into the query axis."""
 
@@ -90,8 +98,8 @@ class TorchAttention(AttentionBackend):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: _DecodePlan
     ) -> torch.Tensor:
         b, group = q.shape[0], self.num_heads // self.num_kv_heads
-        kc = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, S, D]
-        vc = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
+        kc = _gather(k_cache, meta.block_tables).transpose(1, 2)  # [B, kv_heads, S, D]
+        vc = _gather(v_cache, meta.block_tables).transpose(1, 2)
         qg = q.view(b, self.num_kv_heads, group, self.head_dim)
         out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.mask, scale=self.scale)
         return out.reshape(b, -1)
@@ -106,8 +114,8 @@ class TorchAttention(AttentionBackend):
         c: _Chunk,
     ) -> torch.Tensor:
         if c.blocks is not None:
-            k = k_cache[c.blocks].flatten(0, 1)[: c.seq_len]
-            v = v_cache[c.blocks].flatten(0, 1)[: c.seq_len]
+            k = _gather(k_cache, c.blocks)[: c.seq_len]
+            v = _gather(v_cache, c.blocks)[: c.seq_len]
         group = self.num_heads // self.num_kv_heads
         kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, S, D]
         vh = v.transpose(0, 1).repeat_interleave(group, dim=0)

@@ -10,9 +10,13 @@ PROMPT_LENGTHS = [5, 17, 40, 70]
 MAX_NEW = 64
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _few_threads():
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from threads, and on a shared machine OpenMP spinning costs a lot."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 class Case:
