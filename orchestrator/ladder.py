@@ -17,7 +17,8 @@ class Ladder:
         if not rungs:
             raise ValueError("the executor reported an empty ladder")
         self.rungs = {r.index: r for r in rungs}
-        self.total = max(r.decode_units + r.prefill_units for r in rungs)
+        # an unpartitioned rung lends the whole device to both lanes (prefill_units == decode_units)
+        self.total = max(r.decode_units + r.prefill_units if r.partitioned else r.decode_units for r in rungs)
         unpartitioned = [r for r in rungs if not r.partitioned] or rungs
         self.full = max(unpartitioned, key=lambda r: (r.decode_units, -r.index)).index
         split = sorted(

@@ -42,13 +42,14 @@ class CostModel:
 
 
 def ladder(total: int = 10, partitioned: bool = True) -> list[Rung]:
-    """A ladder like the executor reports: decode 1..total-1 units of ``total``, then the full rung."""
+    """A ladder shaped like the executor's: decode 1..total-1 of ``total`` units, then the full rung
+    (unpartitioned: both lanes may use all ``total`` units)."""
     rungs = []
     if partitioned:
         rungs = [
             Rung(index=i, decode_units=i + 1, prefill_units=total - i - 1, partitioned=True) for i in range(total - 1)
         ]
-    rungs.append(Rung(index=len(rungs), decode_units=total, prefill_units=0, partitioned=False))
+    rungs.append(Rung(index=len(rungs), decode_units=total, prefill_units=total, partitioned=False))
     return rungs
 
 
@@ -80,7 +81,7 @@ class FakeExecutor:
         self.info, self.cost, self.oracle = info, cost or CostModel(), oracle
         self.bs = info.block_size
         self.rungs = {r.index: r for r in info.ladder}
-        self.total = max(r.decode_units + r.prefill_units for r in info.ladder)
+        self.total = max(r.decode_units + r.prefill_units if r.partitioned else r.decode_units for r in info.ladder)
         self.kv: list[int | None] = [None] * (info.num_blocks * info.block_size)
         self.seqs: dict[int, _Seq] = {}
         self.users: dict[int, set[int]] = {}

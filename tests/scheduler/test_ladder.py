@@ -1,0 +1,36 @@
+"""The scheduler's view of the executor's ladder, for the ladder shapes the executor builds."""
+
+from __future__ import annotations
+
+from agentserve.executor.partition.ladder import CPU_GRANULARITY, build_ladder
+from agentserve.orchestrator.config import SchedulerConfig
+from agentserve.orchestrator.ladder import Ladder
+from agentserve.orchestrator.policies import make_policy
+from agentserve.shm.messages import Rung
+
+CC = SchedulerConfig().controller
+
+
+def test_gpu_like_ladder_controls_partitioned_rungs_in_bounds():
+    rungs = [Rung(i, d, 64 - d, True) for i, d in enumerate(range(8, 64, 8))] + [Rung(7, 64, 64, False)]
+    lad = Ladder(rungs, CC.r_min_lo_share, CC.r_min_hi_share)
+    assert lad.total == 64 and lad.full == 7 and lad.partitioned
+    assert [lad.share(i) for i in lad.control] == [0.25, 0.375, 0.5, 0.625, 0.75, 0.875]
+    assert lad.share(lad.control[lad.nearest(0.5)]) == 0.5
+    assert lad.share(lad.control[lad.highest_below(0.7)]) == 0.625
+
+
+def test_two_core_cpu_ladder_from_the_executor():
+    rungs = build_ladder(2, CPU_GRANULARITY)
+    lad = Ladder(rungs, CC.r_min_lo_share, CC.r_min_hi_share)
+    assert lad.total == 2
+    assert lad.rungs[lad.full].partitioned is False
+    assert lad.control == [r.index for r in rungs if r.partitioned], "1+1 cores is the only split"
+    policy = make_policy("agentserve", SchedulerConfig(), lad)
+    assert policy.ctl.rung in lad.control
+
+
+def test_unpartitioned_backend_gives_a_single_rung_and_a_no_op_rung_action():
+    lad = Ladder([Rung(0, 132, 132, False)], CC.r_min_lo_share, CC.r_min_hi_share)
+    assert lad.control == [0] and lad.full == 0 and not lad.partitioned
+    assert lad.share(0) == 1.0
