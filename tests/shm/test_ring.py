@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import threading
 import time
 
@@ -10,7 +12,8 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from shm_helpers import ours
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from shm_helpers import SESSION, ours
 
 from agentserve.shm.channel import RingPair
 from agentserve.shm.errors import CorruptFrame, MessageTooLarge, RingClosed, RingTimeout
@@ -251,3 +254,54 @@ def test_random_payload_and_length_decode_or_raise_decode_error(run, payload, cl
             assert isinstance(got, CorruptFrame)
         w.put(plan(1))  # the bad slot was consumed: the ring goes on
         assert r.get(timeout=1) == plan(1)
+
+
+# ------------------------------------------------------------------ model-based (hypothesis state machine)
+
+
+class RingModel(RuleBasedStateMachine):
+    """Random puts / gets / oversize puts against a deque: same contents, same order, same errors."""
+
+    SLOTS, SLOT_SIZE = 5, 48
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run = f"{SESSION}sm{next(_machines)}"
+        self.w = RingWriter.create(self.run, "r", self.SLOTS, self.SLOT_SIZE)
+        self.r = RingReader.attach(self.run, "r")
+        self.model: collections.deque[bytes] = collections.deque()
+
+    @rule(data=st.binary(max_size=SLOT_SIZE))
+    def put(self, data):
+        if len(self.model) == self.SLOTS:
+            with pytest.raises(RingTimeout):
+                self.w.put(data, timeout=0)
+        else:
+            self.w.put(data, timeout=0)
+            self.model.append(data)
+
+    @rule(extra=st.integers(1, 100))
+    def put_too_large(self, extra):
+        with pytest.raises(MessageTooLarge):
+            self.w.put(b"z" * (self.SLOT_SIZE + extra), timeout=0)
+
+    @rule()
+    def get(self):
+        if not self.model:
+            with pytest.raises(RingTimeout):
+                self.r.get_bytes(timeout=0)
+        else:
+            assert self.r.get_bytes(timeout=0) == self.model.popleft()
+
+    @invariant()
+    def poll_matches(self):
+        assert self.r.poll() == bool(self.model)
+
+    def teardown(self):
+        self.r.close()
+        self.w.close()
+
+
+_machines = itertools.count()
+TestRingModel = RingModel.TestCase
+TestRingModel.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import multiprocessing as mp
 import os
 import random
@@ -10,7 +11,9 @@ import time
 
 import pytest
 
+from agentserve.shm.channel import RingPair
 from agentserve.shm.errors import PeerDied, RingTimeout
+from agentserve.shm.messages import Lane, Plan, Result, SeqPlan, SeqResult, Shutdown
 from agentserve.shm.ring import RingReader, RingWriter
 
 FORK = mp.get_context("fork")
@@ -154,3 +157,50 @@ def test_peer_that_dies_before_attaching_is_caught_through_expect_peer(run):
         p.kill()
         p.join()
         r.close()
+
+
+# ------------------------------------------------------------------ wire messages between two processes
+
+
+def echo_executor(run: str) -> None:
+    """An executor stand-in: answers every Plan with a Result naming its sequences, until Shutdown."""
+    pair = RingPair.attach(run)
+    try:
+        while not isinstance(msg := pair.recv(timeout=30), Shutdown):
+            rows = [SeqResult(s.seq_id, sum(s.token_ids) + s.start_pos) for s in msg.seqs]
+            pair.send(Result(msg.step, msg.lane, msg.rung, rows, 0.0, 1.0), timeout=30)
+    finally:
+        pair.close()
+
+
+def random_plan(rng: random.Random, step: int) -> Plan:
+    seqs = [
+        SeqPlan(rng.randrange(2**40), [rng.randrange(200_000) for _ in range(rng.randrange(1, 40))],
+                rng.randrange(100_000), [rng.randrange(10**6) for _ in range(rng.randrange(3))])
+        for _ in range(rng.randrange(1, 65))
+    ]
+    return Plan(step, Lane(step % 2), rng.randrange(4), rng.randrange(1, 8192), seqs)
+
+
+def test_plans_and_results_cross_processes_through_a_ring_pair(run):
+    rng = random.Random(5)
+    orch = RingPair.create(run, slots=16, slot_size=16 * 1024)
+    p = FORK.Process(target=echo_executor, args=(run,))
+    p.start()
+    try:
+        orch.expect_peer(p.pid)
+        sent: collections.deque[Plan] = collections.deque()
+        for step in range(3000):
+            sent.append(random_plan(rng, step))
+            orch.send(sent[-1], timeout=30)
+            while len(sent) > 8 or (step == 2999 and sent):  # keep up to 8 plans in flight
+                plan, res = sent.popleft(), orch.recv(timeout=30)
+                assert (res.step, res.lane, res.rung) == (plan.step, plan.lane, plan.rung)
+                assert res.seqs == [SeqResult(s.seq_id, sum(s.token_ids) + s.start_pos) for s in plan.seqs]
+        orch.send(Shutdown("done"), timeout=30)
+        p.join(30)
+        assert p.exitcode == 0 and orch.peer_pid == p.pid
+    finally:
+        p.kill()
+        p.join()
+        orch.close()
