@@ -41,9 +41,12 @@ build_llama_server() {
     "$PY" -m pip download --no-binary :all: --no-deps llama-cpp-python -d "$CACHE/src"
     sdist=$(ls "$CACHE"/src/llama_cpp_python-*.tar.gz | head -1)
   fi
-  tar xzf "$sdist" -C "$CACHE/src"
   local tree
-  tree=$(ls -d "$CACHE"/src/llama_cpp_python-*/vendor/llama.cpp | head -1)
+  tree=$(ls -d "$CACHE"/src/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | head -1 || true)
+  if [[ -z "$tree" ]]; then  # an interrupted build resumes in the same tree
+    tar xzf "$sdist" -C "$CACHE/src"
+    tree=$(ls -d "$CACHE"/src/llama_cpp_python-*/vendor/llama.cpp | head -1)
+  fi
   echo "llama-server: building from $tree with $JOBS jobs (several minutes)"
   nice -n 19 cmake -S "$tree" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
