@@ -9,6 +9,7 @@ below 1 means it delivers less.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -69,7 +70,8 @@ def build(systems: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str,
     ref = REFERENCE if REFERENCE in systems else next(iter(systems))
     policies = {name: {**figs, "ratios": ratios(figs, systems[ref])} for name, figs in systems.items()}
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": platform.machine(),
-            "platform": platform.platform(), **meta}
+            "platform": platform.platform(), "cpus": os.cpu_count(),
+            "loadavg_1_5_15": list(os.getloadavg()), **meta}  # a busy machine skews every figure
     return {"meta": meta, "reference": ref, "policies": policies}
 
 
