@@ -124,9 +124,13 @@ def _itl(worker: LaneWorker, wl: Workload, keep_going: Callable[[int], bool]) ->
     return gaps
 
 
-def alone(backend: PartitionBackend, wl: Workload, rung: int, steps: int) -> dict[str, Any]:
+def alone_gaps(backend: PartitionBackend, wl: Workload, rung: int, steps: int) -> list[float]:
     with LaneWorker(backend, Lane.DECODE, rung) as dec:
-        return summary(_itl(dec, wl, lambda n: n < steps))
+        return _itl(dec, wl, lambda n: n < steps)
+
+
+def alone(backend: PartitionBackend, wl: Workload, rung: int, steps: int) -> dict[str, Any]:
+    return summary(alone_gaps(backend, wl, rung, steps))
 
 
 def time_sliced(backend: PartitionBackend, wl: Workload, rung: int) -> dict[str, Any]:

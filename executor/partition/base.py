@@ -39,6 +39,7 @@ class LaneBinding:
     stream: Any = None  # torch.cuda.Stream on a GPU backend, None on CPU
     threads: int = 0  # intra-op threads of the lane thread (CPU backend)
     cores: tuple[int, ...] = field(default=())
+    idle: bool = False  # the lane thread runs at idle OS priority (CPU prefill on the shared rung)
 
 
 class LeaseGuard:

@@ -12,14 +12,20 @@ any thread).  :meth:`_bind` therefore calls ``get_num_threads`` before ``set_num
 Each lane thread gets its own OpenMP worker team, created with the lane's affinity mask; a worker
 keeps the mask it was created with, so after a rung change a reused worker may still run on
 the cores of its first rung (exact on 2 cores, where a partitioned lane has no workers).
+
+On the shared (top) rung both lanes may use every core, and the prefill lane thread runs at
+``SCHED_IDLE`` — the CPU analogue of decode's high-priority stream: decode preempts prefill, and
+prefill soaks up the cycles decode leaves (between steps, Python gaps).  Its OpenMP workers inherit
+the policy when created after the switch.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -27,9 +33,34 @@ from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.ladder import CPU_GRANULARITY, DEFAULT_SHARES, build_ladder
 from agentserve.shm.messages import Lane, Rung
 
+log = logging.getLogger(__name__)
+
 
 def usable_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
+
+
+@contextmanager
+def idle_priority(tid: int) -> Iterator[bool]:
+    """Run thread ``tid`` at ``SCHED_IDLE`` (a core only when nothing else wants it); yield whether it took.
+
+    The CPU analogue of a low-priority stream: on the shared rung the decode lane's threads preempt the
+    prefill lane.  Restoring the old policy can need ``CAP_SYS_NICE``; without it the thread stays idle.
+    """
+    try:
+        old_policy, old_param = os.sched_getscheduler(tid), os.sched_getparam(tid)
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError) as e:
+        log.info("prefill lane keeps its scheduling policy: %s", e)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        try:
+            os.sched_setscheduler(tid, old_policy, old_param)
+        except OSError as e:
+            log.warning("prefill lane thread stays at SCHED_IDLE: %s", e)
 
 
 class CpuCoresBackend(PartitionBackend):
@@ -37,13 +68,21 @@ class CpuCoresBackend(PartitionBackend):
     unit = "cores"
 
     def __init__(
-        self, cores: Sequence[int] | None = None, reason: str = "", shares: tuple[float, ...] = DEFAULT_SHARES
+        self,
+        cores: Sequence[int] | None = None,
+        reason: str = "",
+        shares: tuple[float, ...] = DEFAULT_SHARES,
+        idle_prefill_when_shared: bool = True,
     ) -> None:
         self.cores = tuple(cores if cores is not None else usable_cores())
+        self.idle_prefill_when_shared = idle_prefill_when_shared
         if not self.cores:
             raise ValueError("no usable CPU cores")
         ladder = build_ladder(len(self.cores), CPU_GRANULARITY, shares)
-        note = reason or f"lanes are threads pinned to disjoint cores ({len(self.cores)} usable)"
+        note = reason or (
+            f"lanes are threads pinned to disjoint cores ({len(self.cores)} usable); on the shared rung "
+            "the prefill lane runs at SCHED_IDLE so decode comes first"
+        )
         super().__init__(ladder, f"cpu ({len(self.cores)} cores)", note)
 
     def cores_for(self, lane: Lane, rung: Rung) -> tuple[int, ...]:
@@ -61,8 +100,10 @@ class CpuCoresBackend(PartitionBackend):
         old_threads = torch.get_num_threads()
         os.sched_setaffinity(tid, cores)
         torch.set_num_threads(len(cores))
+        background = lane == Lane.PREFILL and not rung.partitioned and self.idle_prefill_when_shared
         try:
-            yield LaneBinding(lane=lane, rung=rung, units=len(cores), threads=len(cores), cores=cores)
+            with idle_priority(tid) if background else nullcontext(False) as idle:
+                yield LaneBinding(lane, rung, len(cores), threads=len(cores), cores=cores, idle=idle)
         finally:
             torch.set_num_threads(old_threads)
             os.sched_setaffinity(tid, old_mask)

@@ -152,3 +152,17 @@ def test_one_thread_lane_spawns_no_intra_op_workers(cpu: CpuCoresBackend) -> Non
         threads, seen, before, after = lane.submit(work).result(30)
     assert threads == seen == 1
     assert after == before
+
+
+def test_prefill_lane_runs_at_idle_priority_only_on_the_shared_rung(cpu: CpuCoresBackend) -> None:
+    def policy(binding):
+        return os.sched_getscheduler(threading.get_native_id()), binding.idle
+
+    top = cpu.ladder[-1].index
+    with LaneWorker(cpu, Lane.PREFILL, rung=top) as pre, LaneWorker(cpu, Lane.DECODE, rung=top) as dec:
+        shared_prefill, shared_decode = pre.submit(policy).result(10), dec.submit(policy).result(10)
+        own = pre.submit(policy, rung=0).result(10) if cpu.ladder[0].partitioned else None
+    assert shared_prefill == (os.SCHED_IDLE, True)
+    assert shared_decode == (os.SCHED_OTHER, False)
+    if own is not None:
+        assert own == (os.SCHED_OTHER, False), "the policy is restored when the lane leaves the shared rung"
