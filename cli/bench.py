@@ -67,6 +67,7 @@ async def _drive(target: servers.Target, workload: Workload, duration: float, ti
         ticker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await ticker
+        progress.update(task, completed=duration, description=f"{target.name}: {count} requests")
         await driver.aclose()
 
 
@@ -123,8 +124,8 @@ def bench(workload: str, agents: int | None, policies: str, duration: float, war
                 with launch() as tgt:
                     run = asyncio.run(_drive(tgt, wl, warmup + duration, request_timeout, progress, task))
                 runs[name] = after_warmup(run, warmup)
-            except servers.ServerFailed as e:
-                console.print(f"[red]{name}: {e}[/red]")
+            except Exception as e:  # noqa: BLE001 - report this system as failed, go on with the next
+                console.print(f"[red]{name}: {type(e).__name__}: {e}[/red]")
                 failed.append(name)
     if not runs:
         raise click.ClickException("no system could be benchmarked")
