@@ -125,7 +125,7 @@ def bench(workload: str, agents: int | None, policies: str, duration: float, war
                     run = asyncio.run(_drive(tgt, wl, warmup + duration, request_timeout, progress, task))
                 runs[name] = after_warmup(run, warmup)
             except Exception as e:  # noqa: BLE001 - report this system as failed, go on with the next
-                console.print(f"[red]{name}: {type(e).__name__}: {e}[/red]")
+                console.print(f"{name}: {type(e).__name__}: {e}", style="red", markup=False)
                 failed.append(name)
     if not runs:
         raise click.ClickException("no system could be benchmarked")
