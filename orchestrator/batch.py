@@ -24,14 +24,15 @@ class BatchHost(Protocol):
 
 class Batch:
     __slots__ = (
-        "host", "lane", "max_seqs", "now", "block_size", "entries", "seqs", "in_batch", "num_decode",
+        "host", "lane", "max_seqs", "now", "block_size", "overlap", "entries", "seqs", "in_batch", "num_decode",
         "num_prefill_tokens", "blocked",
     )  # fmt: skip
 
     def __init__(self, host: BatchHost, lane: Lane, max_seqs: int, now: float, block_size: int) -> None:
         self.host, self.lane, self.max_seqs, self.now = host, lane, max_seqs, now
         self.block_size = block_size
-        self.entries: list[tuple[Request, int, bool]] = []  # (request, tokens fed, sampled)
+        self.overlap = False  # decodes already in flight may be planned again (fed their last sample)
+        self.entries: list[tuple[Request, int, bool, bool]] = []  # (request, tokens fed, sampled, decode)
         self.seqs: list[SeqPlan] = []
         self.in_batch: set[int] = set()
         self.num_decode = 0
@@ -48,15 +49,16 @@ class Batch:
 
     def decode(self, req: Request) -> bool:
         """Add one decode token of ``req``; False if it cannot run this step."""
-        seqs = self.seqs
-        if len(seqs) >= self.max_seqs or req.state is not ReqState.DECODE or req.inflight:
+        if len(self.seqs) >= self.max_seqs or req.state is not ReqState.DECODE or req.seq_id in self.in_batch:
             return False
-        if req.seq_id in self.in_batch:
+        ahead = req.ahead
+        if req.inflight and not (self.overlap and req.inflight == ahead):
             return False
         tokens, table = req.tokens, req.block_table
-        if len(tokens) > len(table) * self.block_size and not self.host.grow(req, len(tokens), self):
+        positions = len(tokens) + ahead  # position of the token fed, plus one
+        if positions > len(table) * self.block_size and not self.host.grow(req, positions, self):
             return False
-        self._add(req, [tokens[-1]], True)
+        self._add(req, [] if ahead else [tokens[-1]], True, True, req.num_computed + ahead)
         self.num_decode += 1
         return True
 
@@ -70,20 +72,20 @@ class Batch:
             return 0
         start = req.num_computed
         n = min(max_tokens, len(req.tokens) - start)
-        self._add(req, req.tokens[start : start + n], start + n == len(req.tokens))
+        self._add(req, req.tokens[start : start + n], start + n == len(req.tokens), False, start)
         self.num_prefill_tokens += n
         req.queued_since = self.now
         if req.first_service_t is None:
             req.first_service_t = self.now
         return n
 
-    def _add(self, req: Request, token_ids: list[int], sample: bool) -> None:
+    def _add(self, req: Request, token_ids: list[int], sample: bool, decode: bool, start: int) -> None:
         table = req.block_table
         new_blocks = table[req.blocks_sent :] if req.blocks_sent < len(table) else []
         req.blocks_sent = len(table)
         sampling = None
         if not req.sampling_sent:
             sampling, req.sampling_sent = self.host.sampling_for(req), True
-        self.seqs.append(SeqPlan(req.seq_id, token_ids, req.num_computed, new_blocks, sample, sampling))
-        self.entries.append((req, len(token_ids), sample))
+        self.seqs.append(SeqPlan(req.seq_id, token_ids, start, new_blocks, sample, sampling))
+        self.entries.append((req, len(token_ids) or 1, sample, decode))
         self.in_batch.add(req.seq_id)

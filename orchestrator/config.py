@@ -23,6 +23,7 @@ class SchedCfg:
     cold_chunk_tokens: int = 512
     max_prefill_seqs: int = 8
     decode_full_rung_when_idle: bool = True
+    decode_lookahead: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,7 @@ class SchedulerConfig:
             (0.0 < k.ttl_min_s <= k.ttl_default_s <= k.ttl_cap_s, "ttl_min_s <= ttl_default_s <= ttl_cap_s"),
             (self.scheduler.cold_chunk_tokens > 0, "cold_chunk_tokens > 0"),
             (self.scheduler.max_batch_seqs > 0, "max_batch_seqs > 0"),
+            (0 <= self.scheduler.decode_lookahead <= 4, "decode_lookahead in [0, 4]"),
             (self.chunked.token_budget > 0 and self.llamacpp.n_batch > 0, "token budgets > 0"),
             (self.llamacpp.n_slots > 0, "n_slots > 0"),
         ]

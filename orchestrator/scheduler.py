@@ -89,7 +89,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class Inflight:
     __slots__ = ("step", "rung", "entries", "sent")
 
-    def __init__(self, step: int, rung: int, entries: list[tuple[Request, int, bool]], sent: float) -> None:
+    def __init__(self, step: int, rung: int, entries: list[tuple[Request, int, bool, bool]], sent: float) -> None:
         self.step, self.rung, self.entries, self.sent = step, rung, entries, sent
 
 
@@ -114,9 +114,11 @@ class Scheduler:
         self.sessions: dict[str, Session] = {}
         self.requests: dict[int, Request] = {}  # unfinished turns
         self.ended: dict[int, Request] = {}  # finished turns awaiting end_turn()
+        self.letting_go: dict[int, Request] = {}  # finished, but plans sent ahead are still running
         self.held: dict[str, Session] = {}  # sessions holding blocks (pinned or in grace)
         self.next_expiry = math.inf
-        self.lanes: dict[Lane, Inflight | None] = {lane: None for lane in self.policy.lanes}
+        self.lanes: dict[Lane, deque[Inflight]] = {lane: deque() for lane in self.policy.lanes}
+        self.lookahead = self.config.scheduler.decode_lookahead
         self.last_rung: dict[Lane, int] = {}  # rung of each lane's latest plan
         self.releases: list[int] = []
         self.seq_ids = itertools.count(1)
@@ -187,9 +189,14 @@ class Scheduler:
             req.end_tool = in_tool_call
             self.pending_events += self.abort(seq_id, now)
             return
-        req = self.ended.pop(seq_id, None)
-        if req is not None:
-            self._end(req, in_tool_call, now)
+        req = self.ended.get(seq_id)
+        if req is None:
+            return
+        if req.letgo_pending:  # its blocks come back with its last result: decide then
+            req.end_tool = in_tool_call
+            return
+        del self.ended[seq_id]
+        self._end(req, in_tool_call, now)
 
     def _end(self, req: Request, in_tool_call: bool, now: float) -> None:
         session = req.session
@@ -238,9 +245,12 @@ class Scheduler:
         sampled = {s.seq_id: s for s in result.seqs}
         events = self.take_events()
         bs = self.kv.block_size
-        for req, n, sample in inflight.entries:
-            req.inflight = False
-            if req.state is ReqState.FINISHED:
+        for req, n, sample, decode in inflight.entries:
+            req.inflight -= 1
+            req.ahead -= decode
+            if req.state is ReqState.FINISHED:  # a plan sent ahead of its finish: nothing to take
+                if req.letgo_pending and not req.inflight:
+                    self._let_go(req, now)
                 continue
             req.num_computed += n
             if req.num_computed >= (req.num_ready + 1) * bs:
@@ -260,13 +270,19 @@ class Scheduler:
         """The executor failed a step: its sequences are aborted (their lanes freed)."""
         now = self.clock() if now is None else now
         events = []
-        for lane, inflight in self.lanes.items():
-            if inflight is not None and (error.step == inflight.step or error.fatal):
-                self.lanes[lane] = None
-                for req, _, _ in inflight.entries:
-                    req.inflight = False
-                    if req.state is not ReqState.FINISHED:
-                        events.append(self._finish(req, Finish.ABORT, now))
+        for queue in self.lanes.values():
+            if not (error.fatal or any(p.step == error.step for p in queue)):
+                continue
+            failed = list(queue)  # the failed step and every plan queued behind it on the lane
+            queue.clear()
+            for req, _, _, decode in (e for p in failed for e in p.entries):
+                req.inflight -= 1
+                req.ahead -= decode
+            for req, _, _, _ in (e for p in failed for e in p.entries):
+                if req.state is not ReqState.FINISHED:
+                    events.append(self._finish(req, Finish.ABORT, now))
+                elif req.letgo_pending and not req.inflight:
+                    self._let_go(req, now)
         for seq_id in error.seq_ids:
             events += self.abort(seq_id, now)
         return events
@@ -275,7 +291,7 @@ class Scheduler:
         return not self.requests and self.idle_lanes()
 
     def idle_lanes(self) -> bool:
-        return all(v is None for v in self.lanes.values())
+        return not any(self.lanes.values())
 
     # ---------------------------------------------------------------- batch host
     def admit(self, req: Request, batch: Batch) -> bool:
@@ -311,34 +327,43 @@ class Scheduler:
         plans: list[Plan | Release] = []
         blocked = False
         for lane in self.policy.lanes:
-            if self.lanes[lane] is None:
+            depth = 1 + (self.lookahead if lane is Lane.DECODE else 0)
+            while len(self.lanes[lane]) < depth:  # a lane runs its plans in order
                 plan, lane_blocked = self._plan_lane(lane, now)
                 blocked |= lane_blocked
-                if plan is not None:
-                    plans.append(plan)
+                if plan is None:
+                    break
+                plans.append(plan)
         return plans, blocked
 
     def _plan_lane(self, lane: Lane, now: float) -> tuple[Plan | None, bool]:
-        other = [v.rung for k, v in self.lanes.items() if k is not lane and v is not None]
         batch = Batch(self, lane, self.policy.max_seqs(lane), now, self.kv.block_size)
-        decision = self.policy.fill(lane, batch, self.q, now, other[0] if other else None)
+        batch.overlap = bool(self.lanes[lane])
+        decision = self.policy.fill(lane, batch, self.q, now, self._other_rung(lane))
         if decision is None or not batch.seqs:
             return None, batch.blocked
         budget, rung = decision
         step = next(self.steps)
-        for req, _, _ in batch.entries:
-            req.inflight = True
-        self.lanes[lane] = Inflight(step, rung, batch.entries, now)
+        for req, _, _, decode in batch.entries:
+            req.inflight += 1
+            req.ahead += decode
+        self.lanes[lane].append(Inflight(step, rung, batch.entries, now))
         self.last_rung[lane] = rung
         self.counters["plans"] += 1
         return Plan(step, lane, rung, budget, batch.seqs), batch.blocked
 
+    def _other_rung(self, lane: Lane) -> int | None:
+        """The rung the other lane holds: the full rung if any of its queued plans is on it, else its last."""
+        rungs = [p.rung for k, q in self.lanes.items() if k is not lane for p in q]
+        if not rungs:
+            return None
+        return self.ladder.full if self.ladder.full in rungs else rungs[-1]
+
     def _land(self, lane: Lane, step: int) -> Inflight:
-        inflight = self.lanes.get(lane)
-        if inflight is None or inflight.step != step:
-            raise ValueError(f"result for step {step} on lane {lane.name}, which has no such plan in flight")
-        self.lanes[lane] = None
-        return inflight
+        queue = self.lanes.get(lane)
+        if not queue or queue[0].step != step:
+            raise ValueError(f"result for step {step} on lane {lane.name}, which has no such plan next")
+        return queue.popleft()
 
     def _append(self, req: Request, token: int, finish: Finish, logprob: float, now: float) -> TokenEvent:
         req.tokens.append(token)
@@ -376,24 +401,41 @@ class Scheduler:
         req.state, req.finish = ReqState.FINISHED, reason
         del self.requests[req.seq_id]
         self.counters["aborted" if reason is Finish.ABORT else "finished"] += 1
-        if req.sampling_sent or req.blocks_sent:
-            self.releases.append(req.seq_id)
         session = req.session
         session.active = None
         session.tokens, session.hashes, session.keys = req.tokens, req.hashes, req.keys
-        if had_kv and req.block_table and not session.closed and self.policy.retains:
+        req.had_kv = had_kv
+        event = TokenEvent(req.seq_id, session.session_id, token, reason, first, req.num_output, now, lp)
+        if req.inflight:  # plans sent ahead may still write its blocks: keep them until they are back
+            req.letgo_pending = True
+            self.letting_go[req.seq_id] = req
+            self.ended[req.seq_id] = req
+        else:
+            self._let_go(req, now)
+        return event
+
+    def _let_go(self, req: Request, now: float) -> None:
+        """A finished request with nothing in flight: Release it, hand its blocks on or free them."""
+        req.letgo_pending = False
+        self.letting_go.pop(req.seq_id, None)
+        if req.sampling_sent or req.blocks_sent:
+            self.releases.append(req.seq_id)
+        session = req.session
+        retain = req.had_kv and req.block_table and self.policy.retains
+        if retain and not session.closed and session.active is None:
             self.kv.retain(req, session)
             self._pin(session, now + self.config.kv.turn_end_grace_s)
         else:
             self.kv.free(req)
-            self._release_session(session)
+            if session.active is None:
+                self._release_session(session)
         if session.closed:
             self._drop_session(session)
         elif req.end_tool is not None:
+            self.ended.pop(req.seq_id, None)
             self._end(req, req.end_tool, now)
         else:
             self.ended[req.seq_id] = req
-        return TokenEvent(req.seq_id, session.session_id, token, reason, first, req.num_output, now, lp)
 
     def _preempt(self, req: Request, now: float) -> None:
         self.q.remove(req)
@@ -422,6 +464,8 @@ class Scheduler:
 
     def _stuck(self, req: Request, batch: Batch) -> None:
         """``req`` cannot grow and nothing can be reclaimed for it now."""
+        if req.inflight:
+            return  # its earlier plans are still running: try again when they are back
         others = self.kv.pool.num_used() > len(set(req.block_table))
         if others:
             self._preempt(req, batch.now)  # others will finish and free their blocks
@@ -497,7 +541,7 @@ class Scheduler:
             "queues": self.q.counts(),
             "sessions": len(self.sessions),
             "sessions_in_tool": in_tool,
-            "lanes_busy": {lane.name.lower(): v is not None for lane, v in self.lanes.items()},
+            "lanes_busy": {lane.name.lower(): bool(q) for lane, q in self.lanes.items()},
             "lane_rungs": {lane.name.lower(): rung for lane, rung in self.last_rung.items()},
             "kv": {
                 "blocks": pool.num_blocks,
@@ -518,7 +562,9 @@ class Scheduler:
         """Assert the KV invariants: refcounts equal the references held, no block held twice."""
         holders: dict[int, int] = {}
         for table in itertools.chain(
-            (r.block_table for r in self.q.holders()), (s.block_table for s in self.sessions.values())
+            (r.block_table for r in self.q.holders()),
+            (s.block_table for s in self.sessions.values()),
+            (r.block_table for r in self.letting_go.values()),
         ):
             assert len(set(table)) == len(table), "a block appears twice in one table"
             for bid in table:

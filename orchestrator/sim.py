@@ -167,9 +167,9 @@ class Sim:
         result = self.exe.run(plan, t)
         decoding = self.sched.q.decoding
         n_dec = sum(1 for s in plan.seqs if s.seq_id in decoding)
-        n_pre = sum(len(s.token_ids) for s in plan.seqs) - n_dec
+        n_pre = sum(len(s.token_ids) for s in plan.seqs if s.seq_id not in decoding)
         b = self.sched.policy.stats().get("b_prefill")
-        self.report.steps.append(Step(plan.lane, plan.rung, t, result.t_end, n_dec, n_pre, b))
+        self.report.steps.append(Step(plan.lane, plan.rung, result.t_start, result.t_end, n_dec, n_pre, b))
         for s in plan.seqs:
             self.report.services.setdefault(s.seq_id, []).append((t, result.t_end))
         self._push(result.t_end, "result", result)

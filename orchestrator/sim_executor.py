@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agentserve.shm.messages import Finish, Lane, Plan, Ready, Release, Result, Rung, SeqResult
+from agentserve.shm.messages import Finish, Lane, Plan, Ready, Release, Result, Rung, SamplingParams, SeqResult
 
 EOS = 2
 
@@ -61,14 +61,15 @@ def ready(num_blocks: int, block_size: int = 16, max_model_len: int = 8192, part
 
 
 class _Seq:
-    __slots__ = ("table", "last", "generated", "max_tokens", "computed")
+    __slots__ = ("table", "last", "generated", "sampling", "computed", "finished")
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, sampling: SamplingParams) -> None:
         self.table: list[int] = []
         self.last = -1
         self.generated = 0
-        self.max_tokens = max_tokens
+        self.sampling = sampling
         self.computed = 0
+        self.finished = False
 
 
 class FakeExecutor:
@@ -108,22 +109,27 @@ class FakeExecutor:
         return self.cost.step_time(n_decode, n_prefill, share, contended)
 
     def run(self, plan: Plan, now: float) -> Result:
-        """Execute ``plan`` starting at ``now``; the result carries ``t_end``."""
-        dt = self.duration(plan, now)
-        self.busy_until[plan.lane], self.busy_rung[plan.lane] = now + dt, plan.rung
+        """Execute ``plan`` when its lane is free (plans of one lane run in order); ``t_end`` says when."""
+        start = max(now, self.busy_until[plan.lane])
+        dt = self.duration(plan, start)
+        self.busy_until[plan.lane], self.busy_rung[plan.lane] = start + dt, plan.rung
         out = [r for r in (self._feed(s) for s in plan.seqs) if r is not None]
-        return Result(step=plan.step, lane=plan.lane, rung=plan.rung, seqs=out, t_start=now, t_end=now + dt)
+        return Result(step=plan.step, lane=plan.lane, rung=plan.rung, seqs=out, t_start=start, t_end=start + dt)
 
     def _feed(self, sp) -> SeqResult | None:
         seq = self.seqs.get(sp.seq_id)
         if seq is None:
             if sp.sampling is None:
                 raise ContractError(f"seq {sp.seq_id}: first plan without sampling parameters")
-            seq = self.seqs[sp.seq_id] = _Seq(sp.sampling.max_tokens)
+            seq = self.seqs[sp.seq_id] = _Seq(sp.sampling)
             self._verify_prefix(sp.seq_id, sp.new_blocks, sp.start_pos)
         for bid in sp.new_blocks:
             seq.table.append(bid)
             self.users.setdefault(bid, set()).add(sp.seq_id)
+        if seq.finished:
+            return None  # a plan sent ahead of the sequence's finish: skipped, like the executor does
+        if not sp.token_ids and seq.last < 0:
+            raise ContractError(f"seq {sp.seq_id}: decode without tokens before any sample")
         tokens = sp.token_ids or [seq.last]
         if sp.start_pos != seq.computed and seq.computed:
             raise ContractError(f"seq {sp.seq_id}: fed at {sp.start_pos}, KV ends at {seq.computed}")
@@ -134,7 +140,12 @@ class FakeExecutor:
             return None
         token = self._sample(sp.seq_id, seq.computed)
         seq.last, seq.generated = token, seq.generated + 1
-        finish = Finish.LENGTH if seq.generated >= seq.max_tokens else Finish.NONE
+        sampling, finish = seq.sampling, Finish.NONE
+        if token in sampling.stop_token_ids or (token == EOS and not sampling.ignore_eos):
+            finish = Finish.STOP
+        elif seq.generated >= sampling.max_tokens:
+            finish = Finish.LENGTH
+        seq.finished = finish is not Finish.NONE
         return SeqResult(seq_id=sp.seq_id, token_id=token, finish=finish)
 
     def _write(self, seq_id: int, seq: _Seq, pos: int, tok: int) -> None:

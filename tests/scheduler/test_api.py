@@ -248,3 +248,37 @@ def test_executor_error_aborts_the_failed_step_and_frees_the_lane():
     assert [(e.seq_id, e.finish) for e in events] == [(seq, Finish.ABORT)]
     assert d.sched.idle() and d.sched.idle_lanes()
     d.sched.check()
+
+
+def test_lookahead_plans_feed_the_last_sample_and_release_after_the_last_result():
+    import dataclasses
+
+    base = SchedulerConfig()
+    d = Driver("chunked")
+    cfg = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, decode_lookahead=1))
+    d.sched = Scheduler("chunked", ready(256, BS), cfg, clock=lambda: d.now)
+    sid = d.sched.open_session()
+    seq = d.sched.submit(sid, list(range(10, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
+    d.pump()
+    d.land()  # prefill done: first token
+    plans = d.pump()
+    assert len(plans) == 2, "the decode lane gets one plan running and one queued behind it"
+    assert plans[0].seqs[0].token_ids and plans[1].seqs[0].token_ids == [], "the queued one feeds the last sample"
+    assert plans[1].seqs[0].start_pos == plans[0].seqs[0].start_pos + 1
+    d.land()  # token 2
+    (third,) = d.pump()  # queued behind the second
+    assert third.seqs[0].token_ids == []
+    d.land()  # token 3: max_tokens reached while the third plan is still queued
+    assert any(e.seq_id == seq and e.finish is Finish.LENGTH for e in d.events)
+    d.pump()
+    assert seq not in d.released, "no Release while a plan holding the sequence is in flight"
+    assert d.sched.kv.pool.num_used() > 0
+    d.sched.check()
+    d.land()  # the third plan comes back (the executor skipped the finished sequence)
+    d.pump()
+    outputs = [e for e in d.events if e.seq_id == seq and e.token_id >= 0]
+    assert len(outputs) == 3
+    assert d.released.count(seq) == 1 and d.sched.idle()
+    d.sched.end_turn(seq, in_tool_call=False, now=d.now)
+    assert d.sched.stats()["kv"]["used"] == 0
+    d.sched.check()

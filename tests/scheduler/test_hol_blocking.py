@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from agentserve.orchestrator.config import SchedulerConfig
 from agentserve.orchestrator.sim import AgentSpec, Sim, Turn
 from agentserve.orchestrator.sim_executor import CostModel
@@ -27,8 +31,14 @@ def cold_seq(report) -> int:
     return max(report.submits, key=lambda s: report.submits[s])
 
 
-def test_agentserve_keeps_every_decode_step_within_tpot():
-    report = Sim("agentserve", scenario(), cost=COST, check_every=1).run()
+def with_lookahead(n: int) -> SchedulerConfig:
+    base = SchedulerConfig()
+    return dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, decode_lookahead=n))
+
+
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_agentserve_keeps_every_decode_step_within_tpot(lookahead):
+    report = Sim("agentserve", scenario(), cost=COST, config=with_lookahead(lookahead), check_every=1).run()
     cold = cold_seq(report)
     itls = decoder_itls(report, cold)
     assert len(itls) == 4 * 149

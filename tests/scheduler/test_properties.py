@@ -8,9 +8,12 @@ At the end: every request finished with all its tokens, and all blocks are free 
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agentserve.orchestrator.config import SchedulerConfig
 from agentserve.orchestrator.policies import POLICY_NAMES
 from agentserve.orchestrator.sim import AgentSpec, Sim, Turn
 
@@ -47,10 +50,18 @@ def workloads(draw):
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workload=workloads(), policy=st.sampled_from(POLICY_NAMES), partitioned=st.booleans())
-def test_kv_invariants_hold_and_everything_finishes(workload, policy, partitioned):
+@given(
+    workload=workloads(),
+    policy=st.sampled_from(POLICY_NAMES),
+    partitioned=st.booleans(),
+    lookahead=st.integers(0, 2),
+)
+def test_kv_invariants_hold_and_everything_finishes(workload, policy, partitioned, lookahead):
     agents, block_size, num_blocks = workload
-    sim = Sim(policy, agents, num_blocks=num_blocks, block_size=block_size, partitioned=partitioned, check_every=1)
+    base = SchedulerConfig()
+    config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, decode_lookahead=lookahead))
+    sim = Sim(policy, agents, num_blocks=num_blocks, block_size=block_size, partitioned=partitioned, config=config)
+    sim.check_every = 1
     report = sim.run()
     assert report.turns_done == report.turns_expected
     turn_of: dict[int, int] = {}
