@@ -40,6 +40,30 @@ def usable_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def idle_is_reversible() -> str | None:
+    """``None`` when a thread can go to SCHED_IDLE and back (probed on a throwaway thread), else why not.
+
+    Leaving SCHED_IDLE needs ``CAP_SYS_NICE`` (or a generous ``RLIMIT_NICE``); without it a lane thread
+    that once ran the shared rung's prefill would stay idle-priority on its own cores too.
+    """
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        try:
+            old_policy, old_param = os.sched_getscheduler(tid), os.sched_getparam(tid)
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(tid, old_policy, old_param)
+            outcome.append(None)
+        except (OSError, AttributeError) as e:
+            outcome.append(f"{type(e).__name__}: {e}")
+
+    t = threading.Thread(target=probe, name="sched-idle-probe")
+    t.start()
+    t.join()
+    return outcome[0] if outcome else "probe thread died"
+
+
 @contextmanager
 def idle_priority(tid: int) -> Iterator[bool]:
     """Run thread ``tid`` at ``SCHED_IDLE`` (a core only when nothing else wants it); yield whether it took.
@@ -75,14 +99,17 @@ class CpuCoresBackend(PartitionBackend):
         idle_prefill_when_shared: bool = True,
     ) -> None:
         self.cores = tuple(cores if cores is not None else usable_cores())
-        self.idle_prefill_when_shared = idle_prefill_when_shared
+        why_not = idle_is_reversible() if idle_prefill_when_shared else "disabled"
+        self.idle_prefill_when_shared = why_not is None
         if not self.cores:
             raise ValueError("no usable CPU cores")
         ladder = build_ladder(len(self.cores), CPU_GRANULARITY, shares)
-        note = reason or (
-            f"lanes are threads pinned to disjoint cores ({len(self.cores)} usable); on the shared rung "
-            "the prefill lane runs at SCHED_IDLE so decode comes first"
+        shared = (
+            "on the shared rung the prefill lane runs at SCHED_IDLE so decode comes first"
+            if why_not is None
+            else f"the shared rung's prefill lane keeps normal priority (SCHED_IDLE: {why_not})"
         )
+        note = reason or f"lanes are threads pinned to disjoint cores ({len(self.cores)} usable); {shared}"
         super().__init__(ladder, f"cpu ({len(self.cores)} cores)", note)
 
     def cores_for(self, lane: Lane, rung: Rung) -> tuple[int, ...]:

@@ -166,3 +166,16 @@ def test_prefill_lane_runs_at_idle_priority_only_on_the_shared_rung(cpu: CpuCore
     assert shared_decode == (os.SCHED_OTHER, False)
     if own is not None:
         assert own == (os.SCHED_OTHER, False), "the policy is restored when the lane leaves the shared rung"
+
+
+def test_idle_priority_is_skipped_when_it_cannot_be_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentserve.executor.partition import cpu_cores
+
+    monkeypatch.setattr(cpu_cores, "idle_is_reversible", lambda: "PermissionError: [Errno 1] Operation not permitted")
+    backend = CpuCoresBackend()
+    assert not backend.idle_prefill_when_shared
+    assert "keeps normal priority (SCHED_IDLE: PermissionError" in backend.reason
+    top = backend.ladder[-1].index
+    with LaneWorker(backend, Lane.PREFILL, rung=top) as pre:
+        assert pre.submit(lambda b: (os.sched_getscheduler(0), b.idle)).result(10) == (os.SCHED_OTHER, False)
+    backend.close()
