@@ -1,4 +1,9 @@
-"""Paged attention in plain PyTorch (CPU and CUDA): gather a sequence's K/V from its blocks, then SDPA."""
+"""Paged attention in plain PyTorch (CPU and CUDA): gather a sequence's K/V from its blocks, then attend.
+
+Decode uses ``scaled_dot_product_attention`` everywhere.  Prefill uses SDPA on CUDA; on CPU the SDPA
+flash kernel is ~3x slower than BLAS, so prefill there runs blocked matmul attention (query blocks of at
+most :data:`CPU_SCORE_BYTES` of scores, each attending only up to its last causal key).
+"""
 
 from __future__ import annotations
 
@@ -9,14 +14,15 @@ import torch.nn.functional as F
 
 from agentserve.executor.attention.base import AttentionBackend, AttentionBatch
 
+CPU_SCORE_BYTES = 64 << 20
+
 
 @dataclass
 class _Chunk:
     begin: int  # first row of this chunk in q/k/v
     end: int
+    start: int  # tokens of this sequence cached before the chunk
     blocks: torch.Tensor | None  # cached blocks to gather (None: no prefix, use the chunk's own k/v)
-    seq_len: int
-    mask: torch.Tensor | None  # [query_len, seq_len] bool, None for a causal chunk without prefix
 
 
 @dataclass
@@ -41,27 +47,26 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 class TorchAttention(AttentionBackend):
-    """Reference backend. Decode runs GQA by folding each KV head's query group into the query axis."""
+    """Reference backend. GQA runs without repeating K/V: each KV head's query group is folded into rows."""
+
+    def __init__(self, *args, sdpa_prefill: bool | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = self.num_heads // self.num_kv_heads
+        self.sdpa_prefill = self.device.type == "cuda" if sdpa_prefill is None else sdpa_prefill
 
     def plan(self, batch: AttentionBatch) -> _PrefillPlan | _DecodePlan:
         slots = batch.slot_mapping.to(self.device, non_blocking=True)
         if batch.is_decode:
             return self._plan_decode(batch, slots)
-        return _PrefillPlan(slots, self._plan_chunks(batch))
-
-    def _plan_chunks(self, batch: AttentionBatch) -> list[_Chunk]:
         chunks, begin = [], 0
         for qlen, start, table in zip(batch.query_lens, batch.start_pos, batch.block_tables, strict=True):
-            seq_len = start + qlen
-            blocks = mask = None
+            blocks = None
             if start > 0:
-                nblocks = -(-seq_len // self.block_size)
-                blocks = torch.tensor(table[:nblocks], dtype=torch.int64, device=self.device)
-                rows = torch.arange(start, seq_len, device=self.device)[:, None]
-                mask = torch.arange(seq_len, device=self.device)[None, :] <= rows
-            chunks.append(_Chunk(begin, begin + qlen, blocks, seq_len, mask))
+                n = -(-(start + qlen) // self.block_size)
+                blocks = torch.tensor(table[:n], dtype=torch.int64).to(self.device, non_blocking=True)
+            chunks.append(_Chunk(begin, begin + qlen, start, blocks))
             begin += qlen
-        return chunks
+        return _PrefillPlan(slots, chunks)
 
     def _plan_decode(self, batch: AttentionBatch, slots: torch.Tensor) -> _DecodePlan:
         seq_lens = batch.seq_lens
@@ -74,52 +79,57 @@ class TorchAttention(AttentionBackend):
         mask = (span[None, :] < lens[:, None])[:, None, None, :]
         return _DecodePlan(slots, tables, mask)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: _PrefillPlan | _DecodePlan,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: _PrefillPlan | _DecodePlan) -> torch.Tensor:
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slots, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slots, v)
         if isinstance(meta, _DecodePlan):
             return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         for c in meta.chunks:
-            out[c.begin : c.end] = self._chunk(
-                q[c.begin : c.end], k[c.begin : c.end], v[c.begin : c.end], k_cache, v_cache, c
-            )
+            ck, cv = k[c.begin : c.end], v[c.begin : c.end]
+            if c.blocks is not None:
+                ck = _gather(k_cache, c.blocks)[: c.end - c.begin + c.start]
+                cv = _gather(v_cache, c.blocks)[: c.end - c.begin + c.start]
+            attend = self._sdpa_chunk if self.sdpa_prefill else self._matmul_chunk
+            out[c.begin : c.end] = attend(q[c.begin : c.end], ck, cv, c.start)
         return out.view(q.shape[0], -1)
 
-    def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: _DecodePlan
-    ) -> torch.Tensor:
-        b, group = q.shape[0], self.num_heads // self.num_kv_heads
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: _DecodePlan) -> torch.Tensor:
+        b = q.shape[0]
         kc = _gather(k_cache, meta.block_tables).transpose(1, 2)  # [B, kv_heads, S, D]
         vc = _gather(v_cache, meta.block_tables).transpose(1, 2)
-        qg = q.view(b, self.num_kv_heads, group, self.head_dim)
+        qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
         out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.mask, scale=self.scale)
         return out.reshape(b, -1)
 
-    def _chunk(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        c: _Chunk,
-    ) -> torch.Tensor:
-        if c.blocks is not None:
-            k = _gather(k_cache, c.blocks)[: c.seq_len]
-            v = _gather(v_cache, c.blocks)[: c.seq_len]
-        group = self.num_heads // self.num_kv_heads
-        kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, S, D]
-        vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), kh, vh, attn_mask=c.mask, is_causal=c.mask is None, scale=self.scale
-        )
+    def _sdpa_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """q [L, heads, D] against k/v [start + L, kv_heads, D]; returns [L, heads, D]."""
+        n, s = q.shape[0], k.shape[0]
+        mask = None
+        if start > 0:
+            mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril_(start)
+        kh = k.transpose(0, 1).repeat_interleave(self.group, dim=0)
+        vh = v.transpose(0, 1).repeat_interleave(self.group, dim=0)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), kh, vh, attn_mask=mask,
+                                             is_causal=mask is None, scale=self.scale)
         return out.transpose(0, 1)
+
+    def _matmul_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """Blocked eager attention (softmax in fp32, as transformers' eager path). Shapes as ``_sdpa_chunk``."""
+        n, s, kvh, g, d = q.shape[0], k.shape[0], self.num_kv_heads, self.group, self.head_dim
+        qh = q.transpose(0, 1).reshape(kvh, g, n, d)
+        kt = k.permute(1, 2, 0).contiguous()  # [kv_heads, D, S]
+        vh = v.transpose(0, 1).contiguous()  # [kv_heads, S, D]
+        out = torch.empty(n, kvh, g, d, dtype=q.dtype, device=q.device)
+        rows = max(1, min(n, CPU_SCORE_BYTES // (4 * self.num_heads * s)))
+        for r0 in range(0, n, rows):
+            r1, keys = min(n, r0 + rows), start + min(n, r0 + rows)  # keys past the block's last row are masked
+            qb = qh[:, :, r0:r1].reshape(kvh, g * (r1 - r0), d)
+            scores = torch.bmm(qb, kt[:, :, :keys]).mul_(self.scale).view(kvh, g, r1 - r0, keys)
+            causal = torch.ones(r1 - r0, keys, dtype=torch.bool, device=q.device).tril_(start + r0)
+            probs = scores.masked_fill_(~causal, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+            ob = torch.bmm(probs.view(kvh, g * (r1 - r0), keys), vh[:, :keys])
+            out[r0:r1] = ob.view(kvh, g, r1 - r0, d).permute(2, 0, 1, 3)
+        return out.view(n, self.num_heads, d)

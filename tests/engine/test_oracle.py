@@ -81,3 +81,26 @@ def test_last_token_logits_equal_all_logits_rows(case):
     assert last.shape == (2, runner.config.vocab_size)
     assert torch.allclose(last[0], rows[0][-1], rtol=0, atol=1e-5)
     assert torch.allclose(last[1], rows[1][-1], rtol=0, atol=1e-5)
+
+
+def test_sdpa_prefill_path_matches_transformers(case):
+    """The SDPA prefill path (the CUDA default) checked on CPU: chunked greedy and mixed-batch logits."""
+    runner = fp32_runner(case, block_size=8, num_blocks=96)
+    runner.attention.sdpa_prefill = True
+    assert greedy_generate(runner, case.prompts, MAX_NEW, chunk_size=7) == case.expected
+    a = case.prompts[3]
+    runner.prefill([PrefillChunk(a[:33], 0, list(range(80, 96)))])
+    got = runner.prefill([PrefillChunk(a[33:], 33, list(range(80, 96)))], all_logits=True)[0]
+    assert rel_err(got, hf_logits(case.hf, a)[33:]) < REL_TOL
+
+
+def test_blocked_cpu_attention_with_tiny_blocks(case, monkeypatch):
+    """Force one query row per score block in the CPU matmul path: results must not change."""
+    from agentserve.executor.attention import torch_backend
+
+    monkeypatch.setattr(torch_backend, "CPU_SCORE_BYTES", 1)
+    runner = fp32_runner(case)
+    a = case.prompts[3]
+    runner.prefill([PrefillChunk(a[:20], 0, list(range(8)))])
+    got = runner.prefill([PrefillChunk(a[20:], 20, list(range(8)))], all_logits=True)[0]
+    assert rel_err(got, hf_logits(case.hf, a)[20:]) < REL_TOL
