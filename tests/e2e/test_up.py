@@ -46,8 +46,11 @@ AGENT_SAMPLING = [
     {"temperature": 0.0},
     {"temperature": 0.0},
     {"temperature": 1.0, "seed": 7},
-    {"temperature": 0.8, "top_p": 0.9, "seed": 11},
+    {"temperature": 0.8, "seed": 11},
 ]
+# No top-k / top-p here: the random tiny model's distributions are nearly flat, so a nucleus boundary
+# moves with last-bit differences between batched and single-sequence matmuls.  The sampler's unit
+# tests cover the filters; this test covers seeds, batching, chunking and prefix reuse end to end.
 
 
 class UpServer:
@@ -133,15 +136,23 @@ def test_four_agents_match_offline_generation(server: UpServer, reference) -> No
         t.join(timeout=120)
     assert not errors, errors
     for index in range(4):
+        # The conversation at the token level: each reply stays as the tokens the model produced
+        # (its text need not re-tokenize to them, e.g. an unused vocabulary id decodes to nothing),
+        # and only the newly rendered template text is tokenized.
         conversation = [{"role": "system", "content": SYSTEM}]
         params = SamplingParams(max_tokens=12, **AGENT_SAMPLING[index])
+        said_text, said_tokens = "", []
         for messages, got in results[index]:
             conversation += messages
-            prompt = tok.encode_chat(conversation, TOOLS)
+            text = tok.apply_chat_template(conversation, TOOLS, add_generation_prompt=True)
+            assert text.startswith(said_text)
+            prompt = said_tokens + tok.encode(text[len(said_text) :], add_special_tokens=False)
             expected = generate(prompt, params)
             assert got == expected, f"agent {index}: served tokens differ from offline generation"
             out = expected[:-1] if expected[-1] in tok.eos_token_ids else expected
-            conversation.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=False)})
+            reply = tok.decode(out, skip_special_tokens=False)
+            conversation.append({"role": "assistant", "content": reply})
+            said_text, said_tokens = text + reply, prompt + out
 
 
 def test_top_once_json_shows_sessions(server: UpServer) -> None:
