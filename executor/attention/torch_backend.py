@@ -1,8 +1,9 @@
 """Paged attention in plain PyTorch (CPU and CUDA): gather a sequence's K/V from its blocks, then attend.
 
 Decode uses ``scaled_dot_product_attention`` everywhere.  Prefill uses SDPA on CUDA; on CPU the SDPA
-flash kernel is ~3x slower than BLAS, so prefill there runs blocked matmul attention (query blocks of at
-most :data:`CPU_SCORE_BYTES` of scores, each attending only up to its last causal key).
+flash kernel is ~3x slower than BLAS, so prefill there runs blocked matmul attention (query blocks of
+:data:`CPU_ROW_BLOCK` rows and at most :data:`CPU_SCORE_BYTES` of scores, each attending only up to its
+last causal key).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 
 from agentserve.executor.attention.base import AttentionBackend, AttentionBatch
 
-CPU_SCORE_BYTES = 64 << 20
+CPU_SCORE_BYTES = 64 << 20  # cap on one block's fp32 scores
+CPU_ROW_BLOCK = 256  # query rows per block: smaller blocks skip more of the masked upper triangle
 
 
 @dataclass
@@ -123,7 +125,7 @@ class TorchAttention(AttentionBackend):
         kt = k.permute(1, 2, 0).contiguous()  # [kv_heads, D, S]
         vh = v.transpose(0, 1).contiguous()  # [kv_heads, S, D]
         out = torch.empty(n, kvh, g, d, dtype=q.dtype, device=q.device)
-        rows = max(1, min(n, CPU_SCORE_BYTES // (4 * self.num_heads * s)))
+        rows = max(1, min(CPU_ROW_BLOCK, CPU_SCORE_BYTES // (4 * self.num_heads * s)))
         for r0 in range(0, n, rows):
             r1, keys = min(n, r0 + rows), start + min(n, r0 + rows)  # keys past the block's last row are masked
             qb = qh[:, :, r0:r1].reshape(kvh, g * (r1 - r0), d)
