@@ -178,8 +178,10 @@ def main() -> None:
         "dtype": str(runner.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "decode_context_tokens": CONTEXT, "weight_bytes": weight_bytes(runner),
         "copy_bandwidth_gb_s": round(bw / 1e9, 2),
+        "load_average_before": round(os.getloadavg()[0], 2),  # timings are only meaningful on a quiet machine
     }
     result |= measure(sides, runner.device, args.repeats, args.steps)
+    result["load_average_after"] = round(os.getloadavg()[0], 2)
     ours = result["agentserve"]
     roofline_ms = result["weight_bytes"] / bw * 1e3
     result["decode_b1_roofline_ms"] = round(roofline_ms, 3)
