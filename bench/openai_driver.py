@@ -61,18 +61,21 @@ DIALECTS = {
 
 
 class OpenAISession:
-    def __init__(self, url: str, dialect: str, model: str | None, pad_id: int) -> None:
+    def __init__(self, url: str, dialect: str, model: str | None, pad_id: int,
+                 extra_body: dict[str, Any]) -> None:
         self.url = url
         _, self._body, self._tokens = DIALECTS[dialect]
         self.model = model
         self.pad_id = pad_id
+        self.extra_body = extra_body
         self.history: list[int] = []
 
     async def turn(self, prompt_ids: Sequence[int], max_tokens: int) -> AsyncIterator[Chunk]:
         self.history.extend(prompt_ids)
         seen = 0
         generated: list[int] = []
-        async for event in post_sse(self.url, self._body(list(self.history), max_tokens, self.model)):
+        body = self._body(list(self.history), max_tokens, self.model) | self.extra_body
+        async for event in post_sse(self.url, body):
             t = time.perf_counter()
             ids, n = self._tokens(event, seen)
             if n <= 0:
@@ -89,10 +92,13 @@ class OpenAISession:
 
 
 class OpenAIDriver:
-    """Stateless-server driver; ``base_url`` like ``http://127.0.0.1:8080``."""
+    """Stateless-server driver; ``base_url`` like ``http://127.0.0.1:8080``.
+
+    ``extra_body`` is merged into every request (e.g. llama.cpp's ``logit_bias``).
+    """
 
     def __init__(self, base_url: str, *, dialect: str = "openai", model: str | None = None,
-                 pad_id: int = 10, name: str = "target") -> None:
+                 pad_id: int = 10, name: str = "target", extra_body: dict[str, Any] | None = None) -> None:
         if dialect not in DIALECTS:
             raise ValueError(f"unknown dialect {dialect!r}; one of {sorted(DIALECTS)}")
         self.url = base_url.rstrip("/") + DIALECTS[dialect][0]
@@ -100,9 +106,10 @@ class OpenAIDriver:
         self.model = model
         self.pad_id = pad_id
         self.name = name
+        self.extra_body = dict(extra_body or {})
 
     async def open_session(self) -> OpenAISession:
-        return OpenAISession(self.url, self.dialect, self.model, self.pad_id)
+        return OpenAISession(self.url, self.dialect, self.model, self.pad_id, self.extra_body)
 
     async def aclose(self) -> None:
         return None

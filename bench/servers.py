@@ -131,15 +131,36 @@ def llama_paths(model: str) -> tuple[Path, Path]:
     return binary, gguf
 
 
+def ascii_only_bias(model: str) -> dict:
+    """For the random-weight built-in models: ban every non-ASCII token in llama.cpp.
+
+    Their byte-level output is mostly invalid UTF-8, and llama-server holds back streamed tokens
+    until the text is complete UTF-8 (tens of tokens, then one burst), which would bill llama.cpp
+    for an artefact of random weights. Banning ids >= 128 keeps the work the same (fixed length)
+    and makes every token stream as soon as it is sampled. Real checkpoints are left alone.
+    """
+    from agentserve.executor.builtin import BUILTINS, vocab_size
+
+    if model not in BUILTINS:
+        return {}
+    return {"logit_bias": [[i, False] for i in range(128, vocab_size())]}
+
+
 @contextlib.contextmanager
 def llama_server(model: str, slots: int, ctx_per_slot: int, timeout_s: float = 300.0) -> Iterator[Target]:
-    """llama.cpp's ``llama-server`` on 127.0.0.1 with ``slots`` parallel slots, the same weights as GGUF."""
+    """llama.cpp's ``llama-server`` on 127.0.0.1 with ``slots`` parallel slots, the same weights as GGUF.
+
+    ``AGENTSERVE_LLAMA_ARGS`` adds arguments (e.g. ``-t 1``).
+    """
     binary, gguf = llama_paths(model)
     url = f"http://127.0.0.1:{_free_port()}"
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
-           "-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-webui"]
+           "-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-webui",
+           *os.environ.get("AGENTSERVE_LLAMA_ARGS", "").split()]
+    extra = ascii_only_bias(model)
     with _process(cmd, lambda proc, log: _healthy(url), timeout_s):
-        yield Target("llama-server", lambda: OpenAIDriver(url, dialect="llamacpp", name="llama-server"))
+        yield Target("llama-server", lambda: OpenAIDriver(url, dialect="llamacpp", name="llama-server",
+                                                          extra_body=extra))
 
 
 @contextlib.contextmanager

@@ -80,3 +80,24 @@ def test_unknown_dialect_and_bad_url_are_rejected():
         OpenAIDriver("http://x", dialect="grpc")
     with pytest.raises(ValueError):
         asyncio.run(get("https://example.invalid/"))
+
+
+def test_extra_body_is_sent_with_every_turn():
+    async def main():
+        async with FakeCompletionServer() as server:
+            driver = OpenAIDriver(server.url, dialect="llamacpp", extra_body={"logit_bias": [[200, False]]})
+            session = await driver.open_session()
+            [c async for c in session.turn([1, 2], 2)]
+            [c async for c in session.turn([3], 2)]
+            return server.bodies
+
+    bodies = asyncio.run(main())
+    assert [b["logit_bias"] for b in bodies] == [[[200, False]]] * 2
+
+
+def test_built_in_models_stream_ascii_only_from_llama_server():
+    from agentserve.bench.servers import ascii_only_bias
+
+    bias = ascii_only_bias("tiny")["logit_bias"]
+    assert bias[0] == [128, False] and [i for i, _ in bias] == list(range(128, 320))
+    assert ascii_only_bias("/models/Qwen2.5-3B") == {}
