@@ -6,6 +6,7 @@ Precedence for every setting: built-in defaults (``configs/*.toml``) < ``--confi
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -141,6 +142,8 @@ def _up(opts: dict[str, Any]) -> int:
             ingress, link, tokenizer, ServerOptions(policy, sched_config, restart=not opts["no_restart"]), publisher
         )
         _on_signals(server.stop)
+        gc.collect()
+        gc.freeze()  # start-up objects never need scanning again: fewer long GC pauses in the loop
         click.echo(
             f"AgentServe ready on {ingress.endpoint} · model {model_dir} · policy {policy} · "
             f"{ready.backend} ({len(ready.ladder)} rungs) · KV {ready.num_blocks * ready.block_size} tokens · "
