@@ -1,7 +1,4 @@
-"""End to end: `agentserve bench` starts a real `agentserve up` (tiny model, 2 agents, 20 s).
-
-Skipped only while the `up` command is not registered in the CLI.
-"""
+"""End to end: `agentserve bench` starts a real `agentserve up` (tiny model, 2 agents, 20 s)."""
 
 from __future__ import annotations
 
@@ -12,22 +9,7 @@ from pathlib import Path
 
 import pytest
 
-
-def _up_registered() -> bool:
-    try:
-        import click
-
-        from agentserve.cli.main import main
-    except ImportError:
-        return False
-    ctx = click.Context(main)
-    return "up" in main.list_commands(ctx) and main.get_command(ctx, "up") is not None
-
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not _up_registered(), reason="`agentserve up` is not registered in the CLI yet"),
-]
+pytestmark = pytest.mark.slow
 
 
 def test_short_bench_against_a_real_server(tmp_path):
