@@ -112,7 +112,9 @@ def bench(workload: str, agents: int | None, policies: str, duration: float, war
         systems = [("target", lambda: servers.external(target, target_dialect, target_model))]
     else:
         names = [p.strip() for p in policies.split(",") if p.strip()]
-        systems = launchers(names, model, spec, list(server_args))
+        # Each AgentServe server steers by the SLO this benchmark measures (flags given later win).
+        steer = ["--tpot-slo-ms", str(tpot_slo_ms), "--ttft-slo-ms", str(ttft_slo_ms)]
+        systems = launchers(names, model, spec, [*steer, *server_args])
     console = Console()
     runs: dict[str, RunRecord] = {}
     failed: list[str] = []

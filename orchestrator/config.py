@@ -47,7 +47,7 @@ class ControllerCfg:
     b_prefill_mult: float = 0.5
     r_min_init_share: float = 0.5
     r_min_lo_share: float = 0.2
-    r_min_hi_share: float = 0.9
+    r_min_hi_share: float = 1.0
     period_s: float = 0.25
     window_s: float = 1.0
     min_samples: int = 8
