@@ -111,7 +111,9 @@ def load_block(snap: Snapshot) -> Table:
         f"{kv.used_blocks}/{kv.total_blocks} blocks ({_pct(used)})  pinned {kv.pinned_blocks}  "
         f"prefix hits {_pct(kv.prefix_hit_rate)}",
     )
-    lanes = "  ".join(f"{ln.name} {_pct(ln.utilisation)} {ln.tokens_per_s:.0f} tok/s" for ln in snap.lanes)
+    lanes = "  ".join(
+        f"{ln.name} {_pct(ln.utilisation)} {ln.tokens_per_s:.0f} tok/s gap {ln.gap_p50_ms:.1f} ms" for ln in snap.lanes
+    )
     g.add_row("lanes", lanes or "-")
     g.add_row("totals", f"{snap.turns_done} turns  {snap.tokens_out} tokens  {snap.tokens_per_s:.0f} tok/s")
     return g

@@ -52,7 +52,7 @@ class StatsPublisher:
         self.tpot_slo_ms, self.ttft_slo_ms = tpot_slo_ms, ttft_slo_ms
         self.board = StatsBoard.create(run, BOARD_BYTES, SNAPSHOT_VERSION)
         self.seq = 0
-        self.steps: dict[Lane, deque[tuple[float, float, int]]] = {lane: deque() for lane in Lane}
+        self.steps: dict[Lane, deque[tuple[float, float, int, float]]] = {lane: deque() for lane in Lane}
         self.turns_done = 0
         self.tokens_out = 0
         self.out_times: deque[tuple[float, int]] = deque()
@@ -66,7 +66,7 @@ class StatsPublisher:
     def on_result(self, result: Result) -> None:
         n = sum(1 for s in result.seqs if s.token_id >= 0)
         steps = self.steps[Lane(result.lane)]
-        steps.append((result.t_start, result.t_end, n))
+        steps.append((result.t_start, result.t_end, n, result.gap_ms))
         while steps and steps[0][1] < result.t_end - WINDOW_S:
             steps.popleft()
         self.tokens_out += n
@@ -165,15 +165,18 @@ class StatsPublisher:
 
     def _lane(self, lane: Lane, now: float) -> LaneStat:
         steps = self.steps[lane]
-        busy = sum(min(end, now) - max(start, now - WINDOW_S) for start, end, _ in steps if end > now - WINDOW_S)
-        tokens = sum(n for _, end, n in steps if end > now - WINDOW_S)
+        recent = [s for s in steps if s[1] > now - WINDOW_S]
+        busy = sum(min(end, now) - max(start, now - WINDOW_S) for start, end, _, _ in recent)
+        tokens = sum(n for _, _, n, _ in recent)
         last = (steps[-1][1] - steps[-1][0]) * 1e3 if steps else 0.0
+        gaps = sorted(gap for *_, gap in recent)
         return LaneStat(
             name=lane.name.lower(),
             utilisation=max(0.0, min(1.0, busy / WINDOW_S)),
             steps=len(steps),
             last_step_ms=last,
             tokens_per_s=tokens / WINDOW_S,
+            gap_p50_ms=gaps[len(gaps) // 2] if gaps else 0.0,
         )
 
     def _tokens_per_s(self, now: float) -> float:

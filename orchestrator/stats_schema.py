@@ -84,6 +84,7 @@ class LaneStat(_S):
     steps: int = 0
     last_step_ms: float = 0.0
     tokens_per_s: float = 0.0
+    gap_p50_ms: float = 0.0  # the lane's idle time between consecutive steps (median over the window)
 
 
 class SessionRow(_S):
