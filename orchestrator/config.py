@@ -23,7 +23,7 @@ class SchedCfg:
     cold_chunk_tokens: int = 512
     max_prefill_seqs: int = 8
     decode_full_rung_when_idle: bool = True
-    decode_lookahead: int = 0
+    decode_lookahead: int = 1
 
 
 @dataclass(frozen=True, slots=True)

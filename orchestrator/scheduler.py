@@ -326,8 +326,11 @@ class Scheduler:
     def _plan_lanes(self, now: float) -> tuple[list[Plan | Release], bool]:
         plans: list[Plan | Release] = []
         blocked = False
+        # Decode plans are queued ahead only while nothing waits to be prefilled: a plan decided
+        # ahead would keep a newly arrived prefill (and a guard-forced rung change) one step longer.
+        ahead = 0 if self.q.has_prefill_work() else self.lookahead
         for lane in self.policy.lanes:
-            depth = 1 + (self.lookahead if lane is Lane.DECODE else 0)
+            depth = 1 + (ahead if lane is Lane.DECODE else 0)
             while len(self.lanes[lane]) < depth:  # a lane runs its plans in order
                 plan, lane_blocked = self._plan_lane(lane, now)
                 blocked |= lane_blocked

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from agentserve.configs import ConfigError
@@ -21,7 +23,11 @@ class Driver:
     def __init__(self, policy: str = "agentserve", num_blocks: int = 256) -> None:
         self.now = 0.0
         info = ready(num_blocks, BS)
-        self.sched = Scheduler(policy, info, SchedulerConfig(), clock=lambda: self.now)
+        # These tests step a manual clock through one plan at a time; overlap (queued plans) has
+        # its own tests (test_lookahead_*, test_hol_blocking, test_properties).
+        base = SchedulerConfig()
+        config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, decode_lookahead=0))
+        self.sched = Scheduler(policy, info, config, clock=lambda: self.now)
         self.exe = FakeExecutor(info, oracle=lambda s: getattr(self.sched.requests.get(s), "tokens", None))
         self.pending: list = []
         self.events: list = []
