@@ -122,7 +122,8 @@ def test_executor_exits_when_orchestrator_dies() -> None:
         else:
             os.kill(exec_pid, signal.SIGKILL)
             pytest.fail("executor outlived its orchestrator by 5 s")
-        assert time.monotonic() - t0 < 2.0
+        # ~0.1 s on an idle machine; the bound only has to tell "exits promptly" from "hangs" on a busy one.
+        assert time.monotonic() - t0 < 3.0
     finally:
         if orch.is_alive():
             orch.kill()
