@@ -4,9 +4,10 @@ The orchestrator owns every sequence; the executor keeps only what a step needs:
 the sampling parameters (sent once), the per-request generator, the last sampled token (so a decode
 plan may omit it — the overlap rule of :mod:`agentserve.shm.messages`) and the generated count.
 
-Invariant kept by the orchestrator: a sequence is in at most one in-flight plan, and ``Release``
-for it comes only after the results of all its plans are back.  So each entry is touched by one
-lane at a time; the lock guards only the dictionary itself.
+Invariant kept by the orchestrator: the plans of one sequence in flight at the same time are all on
+one lane (a lane runs its plans in order; a decode plan may be queued behind the running one), and
+``Release`` for it comes only after the results of all its plans are back.  So each entry is touched by
+one lane thread at a time; the lock guards only the dictionary itself.
 """
 
 from __future__ import annotations
