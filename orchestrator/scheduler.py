@@ -242,8 +242,10 @@ class Scheduler:
     def on_result(self, result: Result, now: float | None = None) -> list[TokenEvent]:
         now = self.clock() if now is None else now
         inflight = self._land(result.lane, result.step)
-        sampled = {s.seq_id: s for s in result.seqs}
         events = self.take_events()
+        if inflight is None:
+            return events
+        sampled = {s.seq_id: s for s in result.seqs}
         bs = self.kv.block_size
         for req, n, sample, decode in inflight.entries:
             req.inflight -= 1
@@ -267,14 +269,28 @@ class Scheduler:
         return events
 
     def on_error(self, error: ExecError, now: float | None = None) -> list[TokenEvent]:
-        """The executor failed a step: its sequences are aborted (their lanes freed)."""
+        """The executor failed a step: its sequences are aborted (their lanes freed).
+
+        Plans queued behind the failed one still run on the executor and still report, so they stay
+        in flight (their requests finish as aborted when they land, and only then give up blocks);
+        a fatal error clears everything, the executor is going away.
+        """
         now = self.clock() if now is None else now
         events = []
         for queue in self.lanes.values():
-            if not (error.fatal or any(p.step == error.step for p in queue)):
+            if error.fatal:
+                failed = list(queue)
+                queue.clear()
+            elif any(p.step == error.step for p in queue):
+                failed = []
+                while queue:  # the failed plan, and any before it (results arrive in plan order)
+                    failed.append(queue.popleft())
+                    if failed[-1].step == error.step:
+                        break
+                for req, _, _, _ in (e for p in queue for e in p.entries):
+                    req.abort_pending = True
+            else:
                 continue
-            failed = list(queue)  # the failed step and every plan queued behind it on the lane
-            queue.clear()
             for req, _, _, decode in (e for p in failed for e in p.entries):
                 req.inflight -= 1
                 req.ahead -= decode
@@ -362,10 +378,12 @@ class Scheduler:
             return None
         return self.ladder.full if self.ladder.full in rungs else rungs[-1]
 
-    def _land(self, lane: Lane, step: int) -> Inflight:
+    def _land(self, lane: Lane, step: int) -> Inflight | None:
+        """The plan this result answers; None (logged) for a result of no plan we still track."""
         queue = self.lanes.get(lane)
         if not queue or queue[0].step != step:
-            raise ValueError(f"result for step {step} on lane {lane.name}, which has no such plan next")
+            log.error("result for step %d on lane %s, which has no such plan next: ignored", step, lane.name)
+            return None
         return queue.popleft()
 
     def _append(self, req: Request, token: int, finish: Finish, logprob: float, now: float) -> TokenEvent:

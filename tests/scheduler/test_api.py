@@ -12,7 +12,7 @@ from agentserve.orchestrator.policies import POLICY_NAMES, make_policy
 from agentserve.orchestrator.request import Phase
 from agentserve.orchestrator.scheduler import Scheduler
 from agentserve.orchestrator.sim_executor import FakeExecutor, ready
-from agentserve.shm.messages import Finish, Lane, Plan, Release, SamplingParams
+from agentserve.shm.messages import ExecError, Finish, Lane, Plan, Release, SamplingParams
 
 BS = 16
 
@@ -20,13 +20,13 @@ BS = 16
 class Driver:
     """A scheduler and a fake executor on a manual clock."""
 
-    def __init__(self, policy: str = "agentserve", num_blocks: int = 256) -> None:
+    def __init__(self, policy: str = "agentserve", num_blocks: int = 256, lookahead: int = 0) -> None:
         self.now = 0.0
         info = ready(num_blocks, BS)
         # These tests step a manual clock through one plan at a time; overlap (queued plans) has
         # its own tests (test_lookahead_*, test_hol_blocking, test_properties).
         base = SchedulerConfig()
-        config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, decode_lookahead=0))
+        config = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, decode_lookahead=lookahead))
         self.sched = Scheduler(policy, info, config, clock=lambda: self.now)
         self.exe = FakeExecutor(info, oracle=lambda s: getattr(self.sched.requests.get(s), "tokens", None))
         self.pending: list = []
@@ -288,3 +288,23 @@ def test_lookahead_plans_feed_the_last_sample_and_release_after_the_last_result(
     d.sched.end_turn(seq, in_tool_call=False, now=d.now)
     assert d.sched.stats()["kv"]["used"] == 0
     d.sched.check()
+
+
+def test_a_failed_step_with_a_plan_queued_behind_it_aborts_once_and_frees_after_both():
+    d = Driver(lookahead=1)
+    sid = d.sched.open_session("a")
+    seq = d.sched.submit(sid, list(range(10, 60)), SamplingParams(max_tokens=50, ignore_eos=True))
+    while not any(e.seq_id == seq and e.first for e in d.events):  # prefilled, now decoding
+        d.pump()
+        d.land()
+    plans = d.pump()
+    assert len(d.sched.lanes[Lane.DECODE]) == 2, "one decode plan running and one queued behind it"
+    failed, behind = d.pending.pop(0), d.pending.pop(0)
+    events = d.sched.on_error(ExecError("boom", failed.step, [seq]), d.now)
+    assert [(e.seq_id, e.finish) for e in events] == [(seq, Finish.ABORT)]
+    assert d.sched.schedule(d.now) == [], "no Release while the queued plan may still write its blocks"
+    d.now = behind.t_end
+    assert d.sched.on_result(behind, d.now) == []  # lands quietly: the request already ended
+    assert [m for m in d.sched.schedule(d.now) if isinstance(m, Release)] == [Release([seq])]
+    d.sched.check()
+    assert plans and d.sched.on_result(behind, d.now) == [], "a result of no tracked plan is ignored"
