@@ -85,6 +85,9 @@ def up(**opts: Any) -> None:
     except (configs.ConfigError, EndpointError, ExecutorStartError, ShmError, ValueError) as e:
         click.echo(f"agentserve up: {e}", err=True)
         code = 2
+    except KeyboardInterrupt:  # SIGINT / SIGTERM while starting: everything was cleaned up on the way out
+        log.info("stopped while starting")
+        code = 0
     sys.exit(code)
 
 
@@ -132,6 +135,7 @@ def _up(opts: dict[str, Any]) -> int:
             run, model_dir, _executor_args(engine, opts["partition"]), opts["log_level"], opts["log_json"]
         )
         link = ExecutorLink(spec)
+        _on_signals(_interrupt)  # until the loop runs: stop loading and clean up through `finally`
         t0 = time.monotonic()
         with _Status() as status:
             ready = link.start(progress=lambda s: status.update(f"loading the model … {s:.0f} s"))
@@ -190,6 +194,10 @@ class _Status:
     def __exit__(self, *exc: object) -> None:
         if self._status is not None:
             self._status.__exit__(*exc)
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt
 
 
 def _on_signals(stop: Any) -> None:

@@ -131,10 +131,10 @@ class Executor:
 
     def serve(self, model: str) -> str:
         """Run until Shutdown or a dead peer; return why it stopped."""
-        for lane in self.lanes.values():
-            lane.start()
-        self.send(self.ready(model))
         try:
+            for lane in self.lanes.values():
+                lane.start()
+            self.send(self.ready(model))
             return self._dispatch()
         finally:
             for lane in self.lanes.values():
@@ -190,6 +190,10 @@ def run_executor(opts: ExecutorOptions) -> int:
     except KeyboardInterrupt as e:
         log.info("executor interrupted (%s)", e)
         return 0
+    except Exception as e:  # anything else is a bug: say so to the orchestrator before going down
+        log.exception("executor crashed")
+        _try_send(pair, ExecError(f"executor crashed: {e!r}", fatal=True))
+        return 2
     finally:
         if backend is not None:
             backend.close()

@@ -50,6 +50,8 @@ class StepExecutor:
         rows = [i for i, (sp, _) in enumerate(work) if sp.sample]
         results = [SeqResult(sp.seq_id) for sp, _ in work]
         if not rows:
+            if logits.is_cuda:  # nothing was read back: the KV writes must be done before we report
+                torch.cuda.current_stream(logits.device).synchronize()
             return results
         states = [work[i][1] for i in rows]
         tokens, logprobs = self.sampler.sample(

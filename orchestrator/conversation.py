@@ -57,7 +57,7 @@ class Conversation:
                 turn.session,
             )
         if raw:
-            base = self.tokens if self.raw is not None else self.system_tokens()
+            base = self.tokens or self.system_tokens()  # the first (successful) raw turn starts the conversation
             return base + list(turn.token_ids), self.messages
         messages = self.messages + [message_dict(m) for m in turn.messages]
         text = self._pending_text = self.render(messages, add_generation_prompt=True)
@@ -91,7 +91,10 @@ class Conversation:
         self.messages = [*messages, {"role": "assistant", "content": text}]
         spoken = self._pending_text + text
         # The template must render the reply verbatim after the prompt for the splice to be exact.
-        verbatim = exact and self.render(self.messages, add_generation_prompt=False).startswith(spoken)
+        try:
+            verbatim = exact and self.render(self.messages, add_generation_prompt=False).startswith(spoken)
+        except ValueError:  # a template that refuses to end on an assistant message
+            verbatim = False
         self.exact_text = spoken if verbatim else None
 
     def system_tokens(self) -> list[int]:

@@ -85,6 +85,7 @@ class Server:
     def __post_init__(self) -> None:
         self.sched = self._new_scheduler()
         self.stop_token_ids = frozenset(self.link.ready.eos_token_ids) if self.link.ready else frozenset()
+        self.vocab_size = self.link.ready.vocab_size if self.link.ready else 0
         self._next_session = 1
         self._running = True
         self._poller = zmq.Poller()
@@ -241,7 +242,21 @@ class Server:
                 msg.req,
                 rec.session,
             )
-        prompt, messages = rec.conversation.prompt_for(msg)
+        if msg.token_ids and max(msg.token_ids) >= self.vocab_size:
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST,
+                f"token id {max(msg.token_ids)} is outside the vocabulary [0, {self.vocab_size})",
+                msg.req,
+                rec.session,
+            )
+        try:
+            prompt, messages = rec.conversation.prompt_for(msg)
+        except ProtocolError:
+            raise
+        except ValueError as e:  # the chat template refused these messages
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST, f"cannot render the conversation: {e}", msg.req, rec.session
+            ) from None
         max_len = self.sched.max_len
         if len(prompt) >= max_len:
             raise ProtocolError(
@@ -280,10 +295,11 @@ class Server:
         self._emit(self.sched.abort(rec.turn.seq_id))
 
     def _close(self, rec: SessionRecord) -> None:
+        """Abort the session's running turn (its stream ends with ``aborted``), then drop the session."""
         if rec.turn is not None:
             self._emit(self.sched.abort(rec.turn.seq_id))
-            if rec.turn is not None:  # still in flight: its events will find no session
-                self.by_seq.pop(rec.turn.seq_id, None)
+        if rec.turn is not None:  # still in flight: end the client's stream now, ignore the late events
+            self._fail_turn(rec, ErrorCode.ABORTED, f"session {rec.session} was closed during the turn")
         if rec.scheduled:
             self._emit(self.sched.close_session(str(rec.session)))
         del self.sessions[rec.session]

@@ -8,6 +8,7 @@ and the session table, and overwrites the board (a seqlock: readers never block 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import deque
@@ -29,13 +30,17 @@ from agentserve.orchestrator.stats_schema import (
 )
 from agentserve.orchestrator.turn_stream import TurnStream
 from agentserve.shm.board import StatsBoard
+from agentserve.shm.errors import MessageTooLarge
 from agentserve.shm.messages import Lane, Ready, Result
 
 if TYPE_CHECKING:
     from agentserve.orchestrator.server import Server as OrchestratorServer
     from agentserve.orchestrator.server import SessionRecord
 
+log = logging.getLogger("agentserve.orchestrator.stats")
+
 BOARD_BYTES = 256 * 1024
+NAME_CHARS = 64  # a session's name as `top` shows it
 WINDOW_S = 10.0
 HISTORY = 60
 HISTORY_EVERY_S = 1.0
@@ -58,6 +63,7 @@ class StatsPublisher:
         self.out_times: deque[tuple[float, int]] = deque()
         self.history: dict[str, deque[float]] = {"tpot": deque(maxlen=HISTORY), "ttft": deque(maxlen=HISTORY)}
         self._next_history = 0.0
+        self._warned = False
 
     def close(self) -> None:
         self.board.close()
@@ -77,7 +83,13 @@ class StatsPublisher:
 
     # ---- output -------------------------------------------------------------------------------
     def publish(self, server: OrchestratorServer, now: float) -> None:
-        self.board.publish(self.encode(server, now))
+        data = self.encode(server, now)
+        try:
+            self.board.publish(data)
+        except MessageTooLarge as e:  # thousands of sessions: `top` keeps the last snapshot that fit
+            if not self._warned:
+                log.warning("stats snapshot not published: %s", e)
+                self._warned = True
 
     def encode(self, server: OrchestratorServer, now: float) -> bytes:
         self.seq += 1
@@ -196,7 +208,7 @@ class StatsPublisher:
         timings = turn.timings(turn.last_token_t) if turn is not None and turn.token_ids else None
         return SessionRow(
             id=rec.session,
-            name=rec.name,
+            name=rec.name[:NAME_CHARS],
             state=state,
             turn=rec.turns,
             context_tokens=len(rec.conversation.tokens) if rec.turn is None else rec.turn.prompt_tokens,

@@ -75,7 +75,9 @@ class TurnStream:
         events: list[TokenEvent | ToolCallEvent | TurnDone] = []
         tail = "" if self.stopped_by_string else self._detok.flush()
         if self._stops is not None and not self.stopped_by_string:
-            tail = self._stops.feed(tail).text + self._stops.flush()
+            match = self._stops.feed(tail)
+            self.stopped_by_string = match.stopped  # completed by the held-back tail
+            tail = match.text + ("" if match.stopped else self._stops.flush())
         if tail:
             self.text += tail
             events.append(TokenEvent(self.req, self.session, [], tail, t, time.time()))

@@ -21,12 +21,20 @@ import zmq
 from rich.console import Console
 
 from agentserve.cli.top_view import render
-from agentserve.client import AgentClient, ExecutorFailed, InvalidSampling, PromptTooLong
+from agentserve.client import AgentClient, ExecutorFailed, InvalidRequest, InvalidSampling, PromptTooLong
 from agentserve.executor.builtin import resolve_model
 from agentserve.executor.runner import ModelRunner
 from agentserve.executor.sequences import SequenceTable
 from agentserve.executor.step import StepExecutor
-from agentserve.orchestrator.protocol import ClientCodec, ErrorCode, OpenSession, Turn
+from agentserve.orchestrator.protocol import (
+    ClientCodec,
+    CloseSession,
+    ErrorCode,
+    OpenSession,
+    SessionClosed,
+    TokenEvent,
+    Turn,
+)
 from agentserve.orchestrator.stats_schema import decode_snapshot
 from agentserve.orchestrator.tokenization import Tokenizer
 from agentserve.shm.messages import Lane, Plan, SamplingParams, SeqPlan
@@ -214,6 +222,8 @@ def test_bad_input_gets_typed_errors_and_server_keeps_serving(server: UpServer) 
             s.turn("hi", max_tokens=4, temperature=-1.0).collect()
         with pytest.raises(InvalidSampling):
             s.turn("hi", max_tokens=0).collect()
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            s.turn(token_ids=[10**6], max_tokens=2).collect()
         assert s.turn("still fine?", max_tokens=4).collect().done is not None
     # Two turns at once on one session: the raw protocol (the SDK aborts a previous turn itself).
     with AgentClient(server.endpoint) as client, client.session() as s:
@@ -232,6 +242,29 @@ def test_bad_input_gets_typed_errors_and_server_keeps_serving(server: UpServer) 
         assert ErrorCode.TURN_IN_PROGRESS in codes
         sock.close()
         assert len(s.turn(token_ids=[7, 8], max_tokens=3).collect().token_ids) == 3
+
+
+def _event(codec: ClientCodec, frame: bytes):
+    return codec.decode(frame) if frame else None  # an empty frame is a liveness probe
+
+
+def test_closing_a_session_mid_turn_ends_its_stream(server: UpServer) -> None:
+    codec = ClientCodec()
+    sock = _raw(server.endpoint)
+    sock.send(codec.encode(OpenSession(req=1, version=1)))
+    opened = codec.decode(sock.recv())
+    sock.send(codec.encode(Turn(req=2, session=opened.session, token_ids=[1, 2], max_tokens=500, ignore_eos=True)))
+    while not isinstance(_event(codec, sock.recv()), TokenEvent):
+        pass  # until the turn is streaming
+    sock.send(codec.encode(CloseSession(req=3, session=opened.session)))
+    ends = []
+    while len(ends) < 2:
+        ev = _event(codec, sock.recv())
+        if ev is not None and not isinstance(ev, TokenEvent):
+            ends.append(ev)
+    assert ends[0].req == 2 and ends[0].code == ErrorCode.ABORTED, ends
+    assert isinstance(ends[1], SessionClosed) and ends[1].req == 3
+    sock.close()
 
 
 def test_executor_crash_is_reported_and_recovered(server: UpServer) -> None:
