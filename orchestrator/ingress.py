@@ -46,6 +46,8 @@ from agentserve.orchestrator.protocol import (
 
 log = logging.getLogger("agentserve.ingress")
 
+CLOSE_LINGER_MS = 500
+
 
 class ClientGone(msgspec.Struct, frozen=True):
     """Not a wire message: the ingress reports that a client's connection is gone."""
@@ -225,7 +227,7 @@ class Ingress:
         """Close the socket; remove the ipc socket file.  Idempotent."""
         if self.socket.closed:
             return
-        self.socket.close(linger=0)
+        self.socket.close(linger=CLOSE_LINGER_MS)  # the last events (server_shutdown, executor_failed) still go out
         if self._own_ctx:
             self._ctx.term()
         if self._ipc_file is not None:
