@@ -18,7 +18,7 @@ from agentserve.configs import ConfigError
 @dataclass(frozen=True, slots=True)
 class SchedCfg:
     policy: str = "agentserve"
-    cold_threshold_tokens: int = 256
+    cold_threshold_tokens: int = 512
     max_batch_seqs: int = 256
     cold_chunk_tokens: int = 512
     max_prefill_seqs: int = 8
