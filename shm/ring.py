@@ -238,6 +238,15 @@ class _RingEnd:
         finally:
             self._lens[waiting] = 0
 
+    def _hand_over(self, off: int, i: int, flag: int, peer_waiting: int, peer_sem: Any) -> None:
+        """Give slot ``i`` to the peer (``flag``), advance, and wake the peer if it parked on this slot."""
+        self._buf[off] = flag
+        self._index = i + 1 if i + 1 < self.slots else 0
+        _acquire()  # full fence: flag before reading the peer's waiting word (Dekker with a parking peer)
+        _release()
+        if self._lens[peer_waiting] == i + 1:
+            peer_sem.release()
+
     def _check_open(self) -> None:
         if self._shut or self._buf[_WRITER_CLOSED] or self._buf[_READER_CLOSED]:
             raise RingClosed(f"ring {self.name} is closed")
@@ -419,12 +428,7 @@ class RingWriter(_RingEnd):
         buf[off + _SLOT_HDR : off + _SLOT_HDR + n] = data
         if _ORDER:
             sg.fence()  # payload before flag (weakly ordered CPUs only)
-        buf[off] = FULL
-        self._index = i + 1 if i + 1 < self.slots else 0
-        _acquire()  # full fence: flag before reading reader_waiting (Dekker with a parking reader)
-        _release()
-        if self._lens[_READER_WAITING] == i + 1:
-            self._data_sem.release()
+        self._hand_over(off, i, FULL, _READER_WAITING, self._data_sem)
 
     def _timeout_message(self, timeout: float | None) -> str:
         return f"ring {self.name} stayed full ({self.slots} slots) for {timeout} s: reader not keeping up"
@@ -498,12 +502,7 @@ class RingReader(_RingEnd):
         finally:
             if _ORDER:
                 sg.fence()  # done with the payload before handing the slot back
-            buf[off] = EMPTY
-            self._index = i + 1 if i + 1 < self.slots else 0
-            _acquire()  # full fence: flag before reading writer_waiting (Dekker with a parking writer)
-            _release()
-            if self._lens[_WRITER_WAITING] == i + 1:
-                self._space_sem.release()
+            self._hand_over(off, i, EMPTY, _WRITER_WAITING, self._space_sem)
 
     def _timeout_message(self, timeout: float | None) -> str:
         return f"no message on ring {self.name} within {timeout} s"
