@@ -9,7 +9,7 @@ import os
 import sys
 
 from agentserve.configs.logging import setup_logging
-from agentserve.executor.process import ExecutorOptions, run_executor
+from agentserve.executor.process import RUNNER_OPTIONS, ExecutorOptions, run_executor
 
 
 def parse(argv: list[str]) -> tuple[ExecutorOptions, argparse.Namespace]:
@@ -17,28 +17,14 @@ def parse(argv: list[str]) -> tuple[ExecutorOptions, argparse.Namespace]:
     p.add_argument("--run", required=True)
     p.add_argument("--role", default="exec0")
     p.add_argument("--model", required=True, help="checkpoint folder (already resolved)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-bytes", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
+    for name, kind in RUNNER_OPTIONS:  # unset ones keep ModelRunner's defaults
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     p.add_argument("--partition", default=None)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-json", action="store_true")
     a = p.parse_args(argv)
-    opts = ExecutorOptions(
-        run=a.run,
-        model_dir=a.model,
-        role=a.role,
-        dtype=a.dtype,
-        device=a.device,
-        block_size=a.block_size,
-        num_blocks=a.num_blocks,
-        kv_cache_bytes=a.kv_cache_bytes,
-        max_model_len=a.max_model_len,
-        partition=a.partition,
-    )
+    runner = {name: getattr(a, name) for name, _ in RUNNER_OPTIONS if getattr(a, name) is not None}
+    opts = ExecutorOptions(run=a.run, model_dir=a.model, role=a.role, partition=a.partition, runner=runner)
     return opts, a
 
 

@@ -27,7 +27,8 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from agentserve.executor.errors import EngineError
 from agentserve.executor.lanes import LaneWorker, SeqReady
@@ -55,18 +56,24 @@ log = logging.getLogger("agentserve.executor")
 RECV_POLL_S = 0.5
 
 
+# ModelRunner keyword arguments the executor's command line carries (name, type).
+RUNNER_OPTIONS: tuple[tuple[str, type], ...] = (
+    ("dtype", str),
+    ("device", str),
+    ("block_size", int),
+    ("num_blocks", int),
+    ("kv_cache_bytes", int),
+    ("max_model_len", int),
+)
+
+
 @dataclass
 class ExecutorOptions:
     run: str
     model_dir: str
     role: str = "exec0"
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    max_model_len: int | None = None
     partition: str | None = None  # green-ctx | cuda-streams | cpu-cores | None = detect
+    runner: dict[str, Any] = field(default_factory=dict)  # ModelRunner keyword arguments (RUNNER_OPTIONS)
 
 
 class Executor:
@@ -167,15 +174,7 @@ def run_executor(opts: ExecutorOptions) -> int:
     pair = RingPair.attach(opts.run, opts.role)
     backend: PartitionBackend | None = None
     try:
-        runner = ModelRunner(
-            opts.model_dir,
-            dtype=opts.dtype,
-            device=opts.device,
-            block_size=opts.block_size,
-            num_blocks=opts.num_blocks,
-            kv_cache_bytes=opts.kv_cache_bytes,
-            max_model_len=opts.max_model_len,
-        )
+        runner = ModelRunner(opts.model_dir, **opts.runner)
         backend = detect(opts.partition)
         why = Executor(pair, runner, backend).serve(opts.model_dir)
         log.info("executor stopping: %s", why)
