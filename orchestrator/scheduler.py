@@ -303,6 +303,11 @@ class Scheduler:
             events += self.abort(seq_id, now)
         return events
 
+    def cached_tokens(self, seq_id: int) -> int:
+        """Prompt tokens of a turn served from the KV cache (0 once the turn is forgotten)."""
+        req = self.requests.get(seq_id) or self.ended.get(seq_id)
+        return req.num_cached if req is not None else 0
+
     def idle(self) -> bool:
         return not self.requests and self.idle_lanes()
 

@@ -174,7 +174,7 @@ class Server:
     def _finish_turn(self, rec: SessionRecord, finish: Finish, t: float) -> None:
         turn = rec.turn
         assert turn is not None
-        cached = self._cached_tokens(turn)
+        cached = self.sched.cached_tokens(turn.seq_id)
         for event in turn.finish(finish, t, cached):
             self.ingress.send(rec.client, event)
         exact = not turn.stopped_by_string
@@ -184,10 +184,6 @@ class Server:
         self.by_seq.pop(turn.seq_id, None)
         rec.last, rec.turn = turn, None
         self.publisher.on_turn_done(turn)
-
-    def _cached_tokens(self, turn: TurnStream) -> int:
-        req = self.sched.ended.get(turn.seq_id) or self.sched.requests.get(turn.seq_id)
-        return req.num_cached if req is not None else 0
 
     def _fail_turn(self, rec: SessionRecord, code: ErrorCode, message: str) -> None:
         turn = rec.turn
