@@ -1,9 +1,11 @@
 """Paged attention in plain PyTorch (CPU and CUDA): gather a sequence's K/V from its blocks, then attend.
 
-Decode uses ``scaled_dot_product_attention`` everywhere.  Prefill uses SDPA on CUDA; on CPU the SDPA
-flash kernel is ~3x slower than BLAS, so prefill there runs blocked matmul attention (query blocks of
-:data:`CPU_ROW_BLOCK` rows and at most :data:`CPU_SCORE_BYTES` of scores, each attending only up to its
-last causal key).
+Decode uses ``scaled_dot_product_attention`` everywhere; on CPU a prefix of blocks shared by the whole
+batch (agents' common system prompt) is attended once for all of it (:mod:`.cascade`).
+
+Prefill uses SDPA on CUDA; on CPU the SDPA flash kernel is ~3x slower than BLAS, so prefill there runs
+blocked matmul attention (query blocks of :data:`CPU_ROW_BLOCK` rows and at most :data:`CPU_SCORE_BYTES`
+of scores, each attending only up to its last causal key).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from agentserve.executor.attention import cascade
 from agentserve.executor.attention.base import AttentionBackend, AttentionBatch
 
 CPU_SCORE_BYTES = 64 << 20  # cap on one block's fp32 scores
@@ -36,8 +39,16 @@ class _PrefillPlan:
 @dataclass
 class _DecodePlan:
     slots: torch.Tensor
-    block_tables: torch.Tensor  # [B, max_blocks] (padded with block 0, masked out)
+    block_tables: torch.Tensor  # [B, max_blocks] each row's own blocks (padded with block 0, masked out)
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
+    shared: torch.Tensor | None = None  # [P] blocks every row starts with (cascade), else None
+    additive: torch.Tensor | None = None  # ``mask`` as 0 / -inf in the query dtype (cascade; made once)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.additive is None:
+            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self.additive = zeros.masked_fill_(~self.mask, float("-inf"))
+        return self.additive
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -48,13 +59,24 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return out.view(*blocks.shape[:-1], -1, *cache.shape[2:])
 
 
+def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention returning ``(out, lse)``: SDPA's CPU kernel, which also keeps the log-sum-exp.
+
+    ``attn_mask`` must be additive and of the query's dtype."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
 class TorchAttention(AttentionBackend):
     """Reference backend. GQA runs without repeating K/V: each KV head's query group is folded into rows."""
 
-    def __init__(self, *args, sdpa_prefill: bool | None = None, **kwargs) -> None:
+    def __init__(self, *args, sdpa_prefill: bool | None = None, cascade_decode: bool | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.group = self.num_heads // self.num_kv_heads
         self.sdpa_prefill = self.device.type == "cuda" if sdpa_prefill is None else sdpa_prefill
+        # cascade needs the log-sum-exp of each partial attention: CPU's flash kernel returns it
+        self.cascade_decode = self.device.type == "cpu" if cascade_decode is None else cascade_decode
 
     def plan(self, batch: AttentionBatch) -> _PrefillPlan | _DecodePlan:
         slots = batch.slot_mapping.to(self.device, non_blocking=True)
@@ -71,15 +93,23 @@ class TorchAttention(AttentionBackend):
         return _PrefillPlan(slots, chunks)
 
     def _plan_decode(self, batch: AttentionBatch, slots: torch.Tensor) -> _DecodePlan:
-        seq_lens = batch.seq_lens
-        width = -(-max(seq_lens) // self.block_size)
-        rows = [t[: -(-n // self.block_size)] for t, n in zip(batch.block_tables, seq_lens, strict=True)]
+        bs, seq_lens = self.block_size, batch.seq_lens
+        rows = [t[: -(-n // bs)] for t, n in zip(batch.block_tables, seq_lens, strict=True)]
+        n_shared = cascade.shared_blocks(rows, seq_lens, bs) if self.cascade_decode else 0
+        if n_shared * bs < cascade.MIN_SHARED_TOKENS:
+            n_shared = 0
+        shared = None
+        if n_shared:
+            shared = torch.tensor(rows[0][:n_shared], dtype=torch.int64).to(self.device, non_blocking=True)
+            rows = [r[n_shared:] for r in rows]
+            seq_lens = [n - n_shared * bs for n in seq_lens]
+        width = max(len(r) for r in rows)
         padded = [r + [0] * (width - len(r)) for r in rows]
         tables = torch.tensor(padded, dtype=torch.int64).to(self.device, non_blocking=True)
         lens = torch.tensor(seq_lens, dtype=torch.int64).to(self.device, non_blocking=True)
-        span = torch.arange(width * self.block_size, device=self.device)
+        span = torch.arange(width * bs, device=self.device)
         mask = (span[None, :] < lens[:, None])[:, None, None, :]
-        return _DecodePlan(slots, tables, mask)
+        return _DecodePlan(slots, tables, mask, shared)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: _PrefillPlan | _DecodePlan) -> torch.Tensor:
@@ -103,8 +133,23 @@ class TorchAttention(AttentionBackend):
         kc = _gather(k_cache, meta.block_tables).transpose(1, 2)  # [B, kv_heads, S, D]
         vc = _gather(v_cache, meta.block_tables).transpose(1, 2)
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
-        out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.mask, scale=self.scale)
-        return out.reshape(b, -1)
+        if meta.shared is None:
+            out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.mask, scale=self.scale)
+            return out.reshape(b, -1)
+        own, own_lse = _flash_cpu(qg, kc, vc, attn_mask=meta.additive_mask(q.dtype), scale=self.scale)
+        shared, shared_lse = self._decode_shared(qg, k_cache, v_cache, meta.shared)
+        return cascade.merge(shared, shared_lse, own, own_lse).reshape(b, -1)
+
+    def _decode_shared(self, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query of the batch against the shared blocks in one call: the batch's rows become query
+        rows of each KV head.  Returns output ``[B, kv_heads, group, D]`` and its lse ``[B, kv_heads, group]``."""
+        b, kvh, g, d = qg.shape
+        ks = _gather(k_cache, blocks).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, P, D]
+        vs = _gather(v_cache, blocks).transpose(0, 1).unsqueeze(0)
+        rows = qg.transpose(0, 1).reshape(1, kvh, b * g, d)
+        out, lse = _flash_cpu(rows, ks, vs, scale=self.scale)
+        return out.view(kvh, b, g, d).transpose(0, 1), lse.view(kvh, b, g).transpose(0, 1)
 
     def _sdpa_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """q [L, heads, D] against k/v [start + L, kv_heads, D]; returns [L, heads, D]."""
