@@ -33,7 +33,9 @@ class _Chunk:
 @dataclass
 class _PrefillPlan:
     slots: torch.Tensor
-    chunks: list[_Chunk]
+    chunks: list[_Chunk]  # chunks attended one by one
+    decode_rows: torch.Tensor | None = None  # rows of one-token continuations, attended as a decode batch
+    decode: _DecodePlan | None = None
 
 
 @dataclass
@@ -82,15 +84,28 @@ class TorchAttention(AttentionBackend):
         slots = batch.slot_mapping.to(self.device, non_blocking=True)
         if batch.is_decode:
             return self._plan_decode(batch, slots)
-        chunks, begin = [], 0
-        for qlen, start, table in zip(batch.query_lens, batch.start_pos, batch.block_tables, strict=True):
-            blocks = None
-            if start > 0:
-                n = -(-(start + qlen) // self.block_size)
-                blocks = torch.tensor(table[:n], dtype=torch.int64).to(self.device, non_blocking=True)
-            chunks.append(_Chunk(begin, begin + qlen, start, blocks))
+        chunks, begin, decodes = [], 0, []
+        for i, (qlen, start, table) in enumerate(
+            zip(batch.query_lens, batch.start_pos, batch.block_tables, strict=True)
+        ):
+            if qlen == 1 and start > 0:  # a decode riding in a mixed step
+                decodes.append((i, begin))
+            else:
+                blocks = None
+                if start > 0:
+                    n = -(-(start + qlen) // self.block_size)
+                    blocks = torch.tensor(table[:n], dtype=torch.int64).to(self.device, non_blocking=True)
+                chunks.append(_Chunk(begin, begin + qlen, start, blocks))
             begin += qlen
-        return _PrefillPlan(slots, chunks)
+        plan = _PrefillPlan(slots, chunks)
+        if decodes:
+            idx = [i for i, _ in decodes]
+            sub = AttentionBatch(True, [1] * len(idx), [batch.start_pos[i] for i in idx],
+                                 [batch.block_tables[i] for i in idx], batch.slot_mapping[idx])
+            rows = torch.tensor([row for _, row in decodes], dtype=torch.int64)
+            plan.decode_rows = rows.to(self.device, non_blocking=True)
+            plan.decode = self._plan_decode(sub, slots[plan.decode_rows])
+        return plan
 
     def _plan_decode(self, batch: AttentionBatch, slots: torch.Tensor) -> _DecodePlan:
         bs, seq_lens = self.block_size, batch.seq_lens
@@ -125,6 +140,9 @@ class TorchAttention(AttentionBackend):
                 cv = _gather(v_cache, c.blocks)[: c.end - c.begin + c.start]
             attend = self._sdpa_chunk if self.sdpa_prefill else self._matmul_chunk
             out[c.begin : c.end] = attend(q[c.begin : c.end], ck, cv, c.start)
+        if meta.decode is not None:
+            rows = meta.decode_rows
+            out[rows] = self._decode(q[rows], k_cache, v_cache, meta.decode).view(len(rows), *q.shape[1:])
         return out.view(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -104,3 +104,21 @@ def test_blocked_cpu_attention_with_tiny_blocks(case, monkeypatch):
     runner.prefill([PrefillChunk(a[:20], 0, list(range(8)))])
     got = runner.prefill([PrefillChunk(a[20:], 20, list(range(8)))], all_logits=True)[0]
     assert rel_err(got, hf_logits(case.hf, a)[20:]) < REL_TOL
+
+
+def test_decodes_riding_in_a_prefill_step_match_transformers(case):
+    """A mixed step: two one-token continuations (attended as a decode batch) around a resumed chunk."""
+    runner = fp32_runner(case)
+    a, b, c = case.prompts[3], case.prompts[2], case.prompts[1]
+    tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+    runner.prefill([PrefillChunk(a[:-1], 0, tables[0]), PrefillChunk(b[:30], 0, tables[1]),
+                    PrefillChunk(c[:-1], 0, tables[2])])
+    plan = runner.attention.plan
+    seen = []
+    runner.attention.plan = lambda batch: seen.append(plan(batch)) or seen[-1]
+    got = runner.prefill([PrefillChunk(a[-1:], len(a) - 1, tables[0]), PrefillChunk(b[30:], 30, tables[1]),
+                          PrefillChunk(c[-1:], len(c) - 1, tables[2])], all_logits=True)
+    assert seen[0].decode_rows.tolist() == [0, 1 + len(b) - 30]
+    assert rel_err(got[0], hf_logits(case.hf, a)[-1:]) < REL_TOL
+    assert rel_err(got[1], hf_logits(case.hf, b)[30:]) < REL_TOL
+    assert rel_err(got[2], hf_logits(case.hf, c)[-1:]) < REL_TOL
