@@ -15,7 +15,7 @@ All times are seconds of one monotonic clock (``time.perf_counter``); reports co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -94,6 +94,22 @@ def after_warmup(run: RunRecord, warmup_s: float) -> RunRecord:
     start = run.start + warmup_s
     return RunRecord(start, max(run.end, start), [r for r in run.requests if r.sent >= start],
                      [t for t in run.tasks if t.start >= start])
+
+
+def pool(runs: list[RunRecord]) -> RunRecord:
+    """Several runs of one system laid end to end on one time axis: each is shifted to start where the
+    previous one ended, so rates divide by the summed run time and percentiles cover every request."""
+    if not runs:
+        raise ValueError("nothing to pool")
+    out = RunRecord(runs[0].start, runs[0].start)
+    for run in runs:
+        shift = out.end - run.start
+        out.requests += [replace(r, sent=r.sent + shift, chunks=[(t + shift, n) for t, n in r.chunks])
+                         for r in run.requests]
+        out.tasks += [replace(t, start=t.start + shift, end=None if t.end is None else t.end + shift)
+                      for t in run.tasks]
+        out.end += run.elapsed
+    return out
 
 
 @dataclass(frozen=True)

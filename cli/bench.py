@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import time
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from agentserve.bench import report as reporting
 from agentserve.bench import servers
-from agentserve.bench.metrics import SLO, RunRecord, after_warmup, aggregate
+from agentserve.bench.metrics import SLO, RunRecord, after_warmup, aggregate, pool
 from agentserve.bench.replayer import run_closed_loop
 from agentserve.bench.workload import Workload, WorkloadSpec, load_spec
 
@@ -40,8 +41,19 @@ def launchers(policies: list[str], model: str, spec: WorkloadSpec, server_args: 
     return out
 
 
+def per_repeat_ratios(runs: dict[str, list[RunRecord]], slo: SLO, repeats: int) -> list[dict[str, Any]]:
+    """Each repeat's headline ratios (system / reference), so the spread between repeats is visible."""
+    keys = ("tpot_p95", "ttft_resume_p95", "throughput_tok_s")
+    out = []
+    for i in range(repeats):
+        figs = {name: aggregate(r[i], slo) for name, r in runs.items() if len(r) > i}
+        rep = reporting.build(figs, {})
+        out.append({name: {k: p["ratios"][k] for k in keys} for name, p in rep["policies"].items()})
+    return out
+
+
 async def _drive(target: servers.Target, workload: Workload, duration: float, timeout_s: float,
-                 progress: Progress, task: Any) -> RunRecord:
+                 progress: Progress, task: Any, label: str) -> RunRecord:
     driver = target.make_driver()
     connect = getattr(driver, "connect", None)
     if connect is not None:
@@ -56,7 +68,7 @@ async def _drive(target: servers.Target, workload: Workload, duration: float, ti
         t0 = time.perf_counter()
         while True:
             progress.update(task, completed=min(time.perf_counter() - t0, duration),
-                            description=f"{target.name}: {count} requests")
+                            description=f"{label}: {count} requests")
             await asyncio.sleep(0.5)
 
     ticker = asyncio.create_task(tick())
@@ -67,8 +79,34 @@ async def _drive(target: servers.Target, workload: Workload, duration: float, ti
         ticker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await ticker
-        progress.update(task, completed=duration, description=f"{target.name}: {count} requests")
+        progress.update(task, completed=duration, description=f"{label}: {count} requests")
         await driver.aclose()
+
+
+def run_systems(systems: list[tuple[str, Callable[[], Any]]], spec: WorkloadSpec, repeats: int, warmup: float,
+                duration: float, timeout_s: float, console: Console) -> tuple[dict[str, list[RunRecord]], list[str]]:
+    """Each system ``repeats`` times, interleaved; its runs (warm-up cut off), and the systems that failed."""
+    runs: dict[str, list[RunRecord]] = {}
+    failed: list[str] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        for rep in range(repeats):
+            workload = Workload(dataclasses.replace(spec, seed=spec.seed + rep))
+            for name, launch in systems:
+                if name in failed:
+                    continue
+                label = name if repeats == 1 else f"{name} ({rep + 1}/{repeats})"
+                task = progress.add_task(f"{label}: starting", total=warmup + duration)
+                try:
+                    with launch() as tgt:
+                        run = asyncio.run(_drive(tgt, workload, warmup + duration, timeout_s, progress, task,
+                                                 label))
+                    runs.setdefault(name, []).append(after_warmup(run, warmup))
+                except Exception as e:  # noqa: BLE001 - report this system as failed, go on with the next
+                    console.print(f"{label}: {type(e).__name__}: {e}", style="red", markup=False)
+                    failed.append(name)
+                    runs.pop(name, None)
+    return runs, failed
 
 
 @click.command("bench")
@@ -81,6 +119,9 @@ async def _drive(target: servers.Target, workload: Workload, duration: float, ti
 @click.option("--duration", type=float, default=120.0, show_default=True, help="measured seconds per system")
 @click.option("--warmup", type=float, default=0.0, show_default=True,
               help="seconds run before the measured window (its requests are not counted)")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="run every system this many times, interleaved (A B A B ...), seed + i in repeat i; "
+                   "figures pool all requests, the JSON also lists each repeat's ratios")
 @click.option("--model", default="bench", show_default=True, help="built-in model or checkpoint folder")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the report")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="write PNG plots")
@@ -96,7 +137,8 @@ async def _drive(target: servers.Target, workload: Workload, duration: float, ti
 @click.option("--tpot-slo-ms", type=float, default=100.0, show_default=True)
 @click.option("--request-timeout", type=float, default=300.0, show_default=True, help="seconds per turn")
 @click.option("--server-arg", "server_args", multiple=True, help="extra argument for `agentserve up`")
-def bench(workload: str, agents: int | None, policies: str, duration: float, warmup: float, model: str,
+def bench(workload: str, agents: int | None, policies: str, duration: float, warmup: float, repeats: int,
+          model: str,
           json_path: str | None, plot_path: str | None, target: str | None, target_dialect: str,
           target_model: str | None, tool_latency_median: float | None, tool_latency_sigma: float | None,
           steps: int | None, seed: int | None, ttft_slo_ms: float, tpot_slo_ms: float,
@@ -106,7 +148,6 @@ def bench(workload: str, agents: int | None, policies: str, duration: float, war
         raise click.ClickException("--plot needs matplotlib: pip install matplotlib")
     spec = load_spec(workload, agents=agents, seed=seed, steps_per_task=steps,
                      tool_latency_median_s=tool_latency_median, tool_latency_sigma=tool_latency_sigma)
-    wl = Workload(spec)
     slo = SLO(ttft_slo_ms / 1000.0, tpot_slo_ms / 1000.0)
     if target:
         systems = [("target", lambda: servers.external(target, target_dialect, target_model))]
@@ -116,27 +157,19 @@ def bench(workload: str, agents: int | None, policies: str, duration: float, war
         steer = ["--tpot-slo-ms", str(tpot_slo_ms), "--ttft-slo-ms", str(ttft_slo_ms)]
         systems = launchers(names, model, spec, [*steer, *server_args])
     console = Console()
-    runs: dict[str, RunRecord] = {}
-    failed: list[str] = []
-    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        for name, launch in systems:
-            task = progress.add_task(f"{name}: starting", total=warmup + duration)
-            try:
-                with launch() as tgt:
-                    run = asyncio.run(_drive(tgt, wl, warmup + duration, request_timeout, progress, task))
-                runs[name] = after_warmup(run, warmup)
-            except Exception as e:  # noqa: BLE001 - report this system as failed, go on with the next
-                console.print(f"{name}: {type(e).__name__}: {e}", style="red", markup=False)
-                failed.append(name)
+    runs, failed = run_systems(systems, spec, repeats, warmup, duration, request_timeout, console)
     if not runs:
         raise click.ClickException("no system could be benchmarked")
-    figures = {name: aggregate(run, slo) for name, run in runs.items()}
+    pooled = {name: pool(r) for name, r in runs.items()}
+    figures = {name: aggregate(run, slo) for name, run in pooled.items()}
     meta = {"workload": spec.name, "agents": spec.agents, "duration_s": duration, "warmup_s": warmup,
             "model": (target_model or "external") if target else model,
             "steps_per_task": spec.steps_per_task, "seed": spec.seed,
             "tool_latency": {"median_s": spec.tool_latency.median_s, "sigma": spec.tool_latency.sigma},
-            "slo": {"ttft_ms": ttft_slo_ms, "tpot_ms": tpot_slo_ms}, "target": target, "failed": failed}
+            "slo": {"ttft_ms": ttft_slo_ms, "tpot_ms": tpot_slo_ms}, "target": target, "failed": failed,
+            "repeats": repeats}
+    if repeats > 1:
+        meta["per_repeat_ratios"] = per_repeat_ratios(runs, slo, repeats)
     rep = reporting.build(figures, meta)
     reporting.print_table(rep, console)
     if json_path:
@@ -145,7 +178,7 @@ def bench(workload: str, agents: int | None, policies: str, duration: float, war
     if plot_path:
         from agentserve.bench.plots import plot
 
-        plot(runs, plot_path)
+        plot(pooled, plot_path)
         console.print(f"wrote {plot_path}")
     errors = {n: f["errors"] for n, f in figures.items() if f["errors"] or not f["requests"]}
     if failed or errors:

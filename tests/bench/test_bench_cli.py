@@ -33,6 +33,27 @@ def test_bench_against_an_external_server_writes_json(tmp_path):
     assert "TPOT p95" in result.output
 
 
+def test_bench_repeats_pool_every_run_and_list_each_repeats_ratios(tmp_path):
+    out = tmp_path / "out.json"
+    with ThreadedServer() as fake:
+        result = CliRunner().invoke(bench, [
+            "--target", fake.url, "--agents", "1", "--duration", "0.8", "--repeats", "2",
+            "--tool-latency-median", "0.05", "--steps", "2", "--json", str(out),
+        ])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    figs = data["policies"]["target"]
+    assert data["meta"]["repeats"] == 2 and len(data["meta"]["per_repeat_ratios"]) == 2
+    assert data["meta"]["per_repeat_ratios"][1]["target"]["throughput_tok_s"] == 1.0  # its own reference
+    assert figs["elapsed_s"] >= 1.6  # both runs, end to end
+    # repeat 2 runs seed + 1: its agent's first prompt differs from repeat 1's
+    firsts = [b["prompt"] for b in fake.bodies if len(b["prompt"]) > 2000]
+    assert len(firsts) >= 2 and firsts[0] != firsts[-1]
+    assert "target (2/2)" in result.output
+    bad = CliRunner().invoke(bench, ["--target", "http://127.0.0.1:9", "--repeats", "0"])
+    assert bad.exit_code != 0 and "--repeats" in bad.output
+
+
 def test_bench_fails_loudly_when_the_target_errors():
     with ThreadedServer(status=400) as fake:
         result = CliRunner().invoke(bench, ["--target", fake.url, "--duration", "1", "--agents", "1"])

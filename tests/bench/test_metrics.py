@@ -11,6 +11,7 @@ from agentserve.bench.metrics import (
     TaskRecord,
     after_warmup,
     aggregate,
+    pool,
     summary,
 )
 
@@ -103,3 +104,23 @@ def test_after_warmup_keeps_what_started_in_the_measured_window():
     assert [t.task for t in run.tasks] == [1]
     # throughput over the 8 s window: 3 tokens
     assert aggregate(run, SLO())["throughput_tok_s"] == pytest.approx(3 / 8)
+
+
+def test_pooled_runs_lie_end_to_end_and_aggregate_over_every_request():
+    # run 1: 10 s from t=100, 2 requests of 3 tokens; run 2: 5 s from t=500, 1 request of 5 tokens
+    a = RunRecord(100.0, 110.0, [_req(101.0, [(101.5, 1), (101.7, 2)]), _req(105.0, [(105.1, 3)])],
+                  [TaskRecord(0, 0, 100.5, 108.0)])
+    b = RunRecord(500.0, 505.0, [_req(501.0, [(501.2, 1), (501.6, 4)])], [TaskRecord(0, 0, 500.0, None)])
+    p = pool([a, b])
+    assert (p.start, p.end) == (100.0, 115.0)
+    # run 2 shifted by 110 - 500 = -390: its request was sent at 111.0, its chunks at 111.2 and 111.6
+    assert p.requests[2].sent == pytest.approx(111.0)
+    assert [t for t, _ in p.requests[2].chunks] == pytest.approx([111.2, 111.6])
+    assert p.tasks[1].start == pytest.approx(110.0) and p.tasks[1].end is None
+    f = aggregate(p, SLO())
+    # 3 + 3 + 5 tokens over 10 + 5 s
+    assert f["throughput_tok_s"] == pytest.approx(11 / 15)
+    assert f["requests"] == 3 and f["ttft"]["p50"] == pytest.approx(200.0)  # TTFTs 0.5, 0.1, 0.2 s
+    assert a.requests[0].sent == 101.0  # the inputs are left as they were
+    with pytest.raises(ValueError):
+        pool([])
