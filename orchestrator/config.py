@@ -24,6 +24,7 @@ class SchedCfg:
     max_prefill_seqs: int = 8
     decode_full_rung_when_idle: bool = True
     decode_lookahead: int = 1
+    resumes_on_idle_prefill_lane: bool = True
 
 
 @dataclass(frozen=True, slots=True)

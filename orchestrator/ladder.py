@@ -3,8 +3,11 @@
 The executor reports its ladder in ``Ready``.  Single-lane policies run on the *full* rung (the
 largest unpartitioned one: the whole device).  The TPOT controller moves the decode reserve
 ``R_min`` along the *control* rungs: partitioned rungs that leave the prefill lane some units,
-within the configured share bounds, ordered by decode share.  A ladder without such rungs (no
-partitioning backend) gives a single control rung, the full one: the rung action is then a no-op.
+within the configured share bounds, ordered by decode share, and — when the upper bound is 1.0 —
+the full rung on top: the 100 % slot, where decode has first claim on the whole device and the
+prefill lane runs beside it at low priority (a low-priority stream; ``SCHED_IDLE`` threads on a
+CPU).  A ladder without split rungs (no partitioning backend) gives a single control rung, the
+full one: the rung action is then a no-op.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class Ladder:
             key=lambda r: (r.decode_units, r.index),
         )
         inside = [r for r in split if lo_share - 1e-9 <= self.share(r.index) <= hi_share + 1e-9]
+        if hi_share >= 1.0 - 1e-9:
+            inside.append(self.rungs[self.full])
         self.control = [r.index for r in (inside or split)] or [self.full]
 
     @property

@@ -3,10 +3,14 @@
 Decode lane, every step: every decoding request first (priority order), then resume prefills —
 admitted ones first, then waiting ones — up to ``B_prefill`` tokens (a mixed Plan), on rung
 ``R_min``.  Prefill lane, concurrently: cold prefills FIFO in chunks of ``cold_chunk_tokens`` on the
-same rung's prefill partition.  The :class:`TpotController` moves ``B_prefill`` and ``R_min``.
+same rung's prefill partition; with no cold prefill to run (``resumes_on_idle_prefill_lane``) it
+takes the resumes the decode lane has not, so they start at once and stay out of decode steps.
+The :class:`TpotController` moves ``B_prefill`` and ``R_min``.
 
-Decode takes the full (unpartitioned) rung while no cold prefill exists at all, and the prefill lane
-does not start while a decode step on the full rung is in flight, so the two never overlap.
+Decode takes the full (unpartitioned) rung while no cold prefill exists at all, or when the controller
+sets ``R_min`` to it (the 100 % slot).  A prefill step planned while decode holds or is headed for the
+full rung runs on the full rung too, beside decode at low priority (decode first, prefill in what it
+leaves); decode moves up to the full rung only once no prefill step holds a partition.
 
 Starvation guard: when the next cold prefill (FIFO head) has gone ``starvation_s`` without service, the decode reserve
 is capped so the prefill partition keeps ``min_prefill_share`` of the device, and no new resume
@@ -53,26 +57,32 @@ class AgentServe(Policy):
         head = q.head(Phase.COLD)
         return head is not None and not head.inflight and now - head.queued_since > self.config.guard.starvation_s
 
-    def decode_rung(self, q: Queues, now: float, prefill_busy: bool) -> int:
+    def decode_rung(self, q: Queues, now: float, prefill_rung: int | None) -> int:
+        full = self.ladder.full
         cold = q.waiting[Phase.COLD] or q.prefilling[Phase.COLD]
-        if self.config.scheduler.decode_full_rung_when_idle and not prefill_busy and not cold:
-            return self.ladder.full
+        if self.config.scheduler.decode_full_rung_when_idle and prefill_rung is None and not cold:
+            return full
         pos = self.ctl.pos
         if self.starving(q, now):
             pos = min(pos, self.guard_pos)
-        return self.ladder.control[pos]
+        rung = self.ladder.control[pos]
+        if rung == full and prefill_rung not in (None, full):
+            # a prefill step still holds its partition at normal priority: move up when it is back
+            rung = self.ladder.control[max(0, pos - 1)]
+        return rung
 
     def fill(self, lane: Lane, batch: Batch, q: Queues, now: float, other_rung: int | None):
         if lane is Lane.DECODE:
-            rung = self.decode_rung(q, now, other_rung is not None)
+            rung = self.decode_rung(q, now, other_rung)
             self.decode_all(batch, q)
             self.add_resumes(batch, q, self.ctl.b_prefill, not self.starving(q, now))
             return batch.num_decode + self.ctl.b_prefill, rung
-        if other_rung == self.ladder.full and self.ladder.partitioned:
-            return None  # decode holds the whole device for this step
-        rung = other_rung if other_rung is not None else self.decode_rung(q, now, True)
-        budget = self.config.scheduler.cold_chunk_tokens
-        self.add_colds(batch, q, budget, self.config.scheduler.max_prefill_seqs)
+        headed = self.decode_rung(q, now, self.ladder.full)  # decode's rung once this step is running
+        rung = headed if other_rung is None or headed == self.ladder.full else other_rung
+        sc = self.config.scheduler
+        budget = sc.cold_chunk_tokens
+        if not self.add_colds(batch, q, budget, sc.max_prefill_seqs) and sc.resumes_on_idle_prefill_lane:
+            self.add_resumes(batch, q, budget, not self.starving(q, now))
         return budget, rung
 
     def add_resumes(self, batch: Batch, q: Queues, budget: int, admit_new: bool) -> int:

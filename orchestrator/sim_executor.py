@@ -3,7 +3,8 @@
 Time: a lane step on a rung takes ``(a + b·decodes)/s_d^γd + c·prefill_tokens/s_p^γp`` where ``s`` is
 the lane's share of the device on that rung (decode share for the decode lane, prefill share for the
 prefill lane); on an unpartitioned rung both lanes see the whole device, and a step that starts
-while the other lane is busy is ``shared_slowdown`` times slower (time slicing).
+while the other lane is busy is slower: decode, which has priority there, ``decode_shared_slowdown``
+times; prefill, which gets what decode leaves, ``shared_slowdown`` times.
 
 Checks, the executor's half of the wire contract: a new sequence comes with its sampling
 parameters; every position fed lies in the sequence's block table; the KV it attends to (positions
@@ -33,12 +34,16 @@ class CostModel:
     c: float = 0.00005  # per prefill token
     decode_exp: float = 0.5  # decode is memory-bound: less sensitive to its share of units
     prefill_exp: float = 1.0
-    shared_slowdown: float = 2.0
+    shared_slowdown: float = 2.0  # a prefill-lane step beside a busy decode lane on the shared rung
+    decode_shared_slowdown: float = 1.1  # a decode-lane step beside a busy prefill lane (decode has priority)
 
-    def step_time(self, n_decode: int, n_prefill: int, share: float, contended: bool) -> float:
+    def step_time(self, n_decode: int, n_prefill: int, share: float, contended: bool, lane: Lane = Lane.DECODE
+                  ) -> float:
         share = max(share, 1e-3)
         t = (self.a + self.b * n_decode) / share**self.decode_exp + self.c * n_prefill / share**self.prefill_exp
-        return t * (self.shared_slowdown if contended else 1.0)
+        if not contended:
+            return t
+        return t * (self.decode_shared_slowdown if lane is Lane.DECODE else self.shared_slowdown)
 
 
 def ladder(total: int = 10, partitioned: bool = True) -> list[Rung]:
@@ -88,7 +93,7 @@ class FakeExecutor:
         self.users: dict[int, set[int]] = {}
         self.busy_until = {Lane.DECODE: 0.0, Lane.PREFILL: 0.0}
         self.busy_rung = {Lane.DECODE: -1, Lane.PREFILL: -1}
-        self.overlaps = 0  # steps started on the full rung while the other lane was busy
+        self.overlaps = 0  # steps started on a shared rung while the other lane was busy
 
     def release(self, msg: Release) -> None:
         for seq_id in msg.seq_ids:
@@ -106,7 +111,7 @@ class FakeExecutor:
         self.overlaps += contended
         n_decode = sum(1 for s in plan.seqs if len(s.token_ids) <= 1 and s.sample and s.seq_id in self.seqs)
         n_prefill = sum(len(s.token_ids) for s in plan.seqs) - n_decode
-        return self.cost.step_time(n_decode, n_prefill, share, contended)
+        return self.cost.step_time(n_decode, n_prefill, share, contended, plan.lane)
 
     def run(self, plan: Plan, now: float) -> Result:
         """Execute ``plan`` when its lane is free (plans of one lane run in order); ``t_end`` says when."""

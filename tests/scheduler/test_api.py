@@ -229,6 +229,36 @@ def test_two_lane_plans_carry_lane_and_rung():
     assert not lanes[Lane.PREFILL].seqs[0].sample, "only the last chunk samples"
 
 
+@pytest.mark.parametrize("on_prefill_lane", [True, False])
+def test_with_no_cold_prefill_a_resume_takes_the_idle_prefill_lane(on_prefill_lane):
+    d = Driver()
+    cfg = d.sched.config
+    d.sched.config = dataclasses.replace(
+        cfg, scheduler=dataclasses.replace(cfg.scheduler, resumes_on_idle_prefill_lane=on_prefill_lane))
+    d.sched.policy.config = d.sched.config
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    decoding = d.sched.submit(d.sched.open_session(), list(range(10, 60)), sp)
+    d.pump()
+    d.land()  # its prompt is done: it decodes now
+    (decode_plan,) = d.pump()
+    assert decode_plan.lane is Lane.DECODE and d.sched.requests[decoding].phase is Phase.DECODE
+    resume = d.sched.submit(d.sched.open_session(), list(range(300, 360)), sp)
+    assert d.sched.requests[resume].phase is Phase.RESUME
+    plans = d.pump()  # the decode lane is busy: only the prefill lane is free
+    if on_prefill_lane:
+        (plan,) = plans
+        assert plan.lane is Lane.PREFILL and [s.seq_id for s in plan.seqs] == [resume]
+        assert plan.seqs[0].sample and len(plan.seqs[0].token_ids) == 60
+    else:
+        assert plans == []
+        d.land()
+        (plan,) = d.pump()
+        assert plan.lane is Lane.DECODE and {s.seq_id for s in plan.seqs} == {decoding, resume}
+    d.until_finished(resume)
+    d.until_finished(decoding)
+    d.sched.check()
+
+
 def test_end_turn_while_in_flight_applies_when_the_step_returns():
     d = Driver()
     sid = d.sched.open_session()

@@ -15,7 +15,11 @@ def test_gpu_like_ladder_controls_partitioned_rungs_in_bounds():
     rungs = [Rung(i, d, 64 - d, True) for i, d in enumerate(range(8, 64, 8))] + [Rung(7, 64, 64, False)]
     lad = Ladder(rungs, CC.r_min_lo_share, CC.r_min_hi_share)
     assert lad.total == 64 and lad.full == 7 and lad.partitioned
-    assert [lad.share(i) for i in lad.control] == [0.25, 0.375, 0.5, 0.625, 0.75, 0.875]
+    # the split rungs within [lo, hi], then (hi = 1.0) the full rung: decode first on the whole device
+    assert [lad.share(i) for i in lad.control] == [0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0]
+    assert lad.control[-1] == lad.full
+    capped = Ladder(rungs, CC.r_min_lo_share, 0.9)
+    assert [capped.share(i) for i in capped.control] == [0.25, 0.375, 0.5, 0.625, 0.75, 0.875]
     assert lad.share(lad.control[lad.nearest(0.5)]) == 0.5
     assert lad.share(lad.control[lad.highest_below(0.7)]) == 0.625
 
@@ -25,7 +29,9 @@ def test_two_core_cpu_ladder_from_the_executor():
     lad = Ladder(rungs, CC.r_min_lo_share, CC.r_min_hi_share)
     assert lad.total == 2
     assert lad.rungs[lad.full].partitioned is False
-    assert lad.control == [r.index for r in rungs if r.partitioned], "1+1 cores is the only split"
+    split = [r.index for r in rungs if r.partitioned]
+    assert split == [0], "1+1 cores is the only split"
+    assert lad.control == [*split, lad.full]
     policy = make_policy("agentserve", SchedulerConfig(), lad)
     assert policy.ctl.rung in lad.control
 
