@@ -3,8 +3,9 @@
 Decode lane, every step: every decoding request first (priority order), then resume prefills —
 admitted ones first, then waiting ones — up to ``B_prefill`` tokens (a mixed Plan), on rung
 ``R_min``.  Prefill lane, concurrently: cold prefills FIFO in chunks of ``cold_chunk_tokens`` on the
-same rung's prefill partition; with no cold prefill to run (``resumes_on_idle_prefill_lane``) it
-takes the resumes the decode lane has not, so they start at once and stay out of decode steps.
+same rung's prefill partition (on the full rung while nothing decodes); with no cold prefill to run
+(``resumes_on_idle_prefill_lane``) it takes the resumes the decode lane has not, so they start at
+once and stay out of decode steps.
 The :class:`TpotController` moves ``B_prefill`` and ``R_min``.
 
 Decode takes the full (unpartitioned) rung while no cold prefill exists at all, or when the controller
@@ -77,8 +78,11 @@ class AgentServe(Policy):
             self.decode_all(batch, q)
             self.add_resumes(batch, q, self.ctl.b_prefill, not self.starving(q, now))
             return batch.num_decode + self.ctl.b_prefill, rung
-        headed = self.decode_rung(q, now, self.ladder.full)  # decode's rung once this step is running
-        rung = headed if other_rung is None or headed == self.ladder.full else other_rung
+        if other_rung is None and not q.decoding:
+            rung = self.ladder.full  # nothing to decode: the prefill takes the whole device
+        else:
+            headed = self.decode_rung(q, now, self.ladder.full)  # decode's rung once this step is running
+            rung = headed if other_rung is None or headed == self.ladder.full else other_rung
         sc = self.config.scheduler
         budget = sc.cold_chunk_tokens
         if not self.add_colds(batch, q, budget, sc.max_prefill_seqs) and sc.resumes_on_idle_prefill_lane:

@@ -229,6 +229,18 @@ def test_two_lane_plans_carry_lane_and_rung():
     assert not lanes[Lane.PREFILL].seqs[0].sample, "only the last chunk samples"
 
 
+def test_with_nothing_to_decode_a_cold_prefill_takes_the_whole_device():
+    d = Driver()
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    d.sched.submit(d.sched.open_session(), list(range(100, 3100)), sp)
+    (plan,) = d.pump()
+    assert plan.lane is Lane.PREFILL and plan.rung == d.sched.ladder.full
+    d.sched.submit(d.sched.open_session(), list(range(10, 60)), sp)  # something to decode soon
+    d.land()
+    plans = {p.lane: p for p in d.pump()}
+    assert plans[Lane.PREFILL].rung == plans[Lane.DECODE].rung in d.sched.ladder.control
+
+
 @pytest.mark.parametrize("on_prefill_lane", [True, False])
 def test_with_no_cold_prefill_a_resume_takes_the_idle_prefill_lane(on_prefill_lane):
     d = Driver()
