@@ -32,7 +32,7 @@ from typing import Any
 
 from agentserve.executor.errors import EngineError
 from agentserve.executor.lanes import LaneWorker, SeqReady
-from agentserve.executor.partition.base import PartitionBackend
+from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.detect import detect
 from agentserve.executor.runner import ModelRunner
 from agentserve.executor.sequences import SequenceTable
@@ -91,16 +91,18 @@ class Executor:
         """Queue ``plan`` on its lane, after any other-lane step that still writes its sequences."""
         ids = [s.seq_id for s in plan.seqs]
         lane = Lane(plan.lane)
-        step = self.lanes[lane].submit(lambda _: self._run(plan), after=self.written.pending(ids), rung=plan.rung)
+        step = self.lanes[lane].submit(lambda b: self._run(plan, b), after=self.written.pending(ids), rung=plan.rung)
         self.written.mark(ids, step.marker)
         step.future.add_done_callback(lambda f: self._report_failure(plan, f.exception()))
 
-    def _run(self, plan: Plan) -> None:
+    def _run(self, plan: Plan, binding: LaneBinding) -> None:
         lane = Lane(plan.lane)
         t_start = time.monotonic()
         gap_ms = (t_start - self._last_end[lane]) * 1e3
+        num_tokens = sum(max(1, len(s.token_ids)) for s in plan.seqs)
         try:
-            seqs = self.step.run(plan)
+            with self.backend.step_scope(binding, num_tokens):
+                seqs = self.step.run(plan)
         except Exception as e:  # noqa: BLE001 - a failed step is reported, the lane lives on
             self._last_end[lane] = time.monotonic()
             self._report_failure(plan, e)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Compare AgentServe with llama.cpp's C++ `llama-server` on the same weights and the same workload.
 #
-#   scripts/compare_llamacpp.sh [--workload react] [--agents 4] [--duration 120] [--warmup 30] [--model bench]
-#                               [--json out-llamacpp.json] [--plot out-llamacpp.png] [--build-only]
+#   scripts/compare_llamacpp.sh [--workload react] [--agents 4] [--duration 120] [--warmup 30] [--repeats 1]
+#                               [--model bench] [--json out-llamacpp.json] [--plot out-llamacpp.png] [--build-only]
 #
 # 1. builds llama-server once from the llama.cpp tree vendored in the `llama-cpp-python` sdist
 #    (cached under $AGENTSERVE_LLAMA_CACHE, default ~/.cache/agentserve/llama.cpp; ~6 min on 2 cores),
@@ -12,13 +12,14 @@
 # Not part of CI (the build is too long).
 set -euo pipefail
 
-WORKLOAD=react AGENTS=4 DURATION=120 WARMUP=30 MODEL=bench JSON=out-llamacpp.json PLOT="" BUILD_ONLY=0
+WORKLOAD=react AGENTS=4 DURATION=120 WARMUP=30 REPEATS=1 MODEL=bench JSON=out-llamacpp.json PLOT="" BUILD_ONLY=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --workload) WORKLOAD=$2; shift 2 ;;
     --agents) AGENTS=$2; shift 2 ;;
     --duration) DURATION=$2; shift 2 ;;
     --warmup) WARMUP=$2; shift 2 ;;
+    --repeats) REPEATS=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
     --json) JSON=$2; shift 2 ;;
     --plot) PLOT=$2; shift 2 ;;
@@ -74,8 +75,8 @@ fi
 echo "gguf: $GGUF"
 [[ $BUILD_ONLY == 1 ]] && exit 0
 
-args=(--workload "$WORKLOAD" --agents "$AGENTS" --duration "$DURATION" --warmup "$WARMUP" --model "$MODEL"
-      --policies agentserve,llama-server --json "$JSON")
+args=(--workload "$WORKLOAD" --agents "$AGENTS" --duration "$DURATION" --warmup "$WARMUP" --repeats "$REPEATS"
+      --model "$MODEL" --policies agentserve,llama-server --json "$JSON")
 [[ -n "$PLOT" ]] && args+=(--plot "$PLOT")
 AGENTSERVE_LLAMA_SERVER="$BIN" AGENTSERVE_LLAMA_GGUF="$GGUF" agentserve bench "${args[@]}"
 echo "machine: $(uname -m), $(nproc) cores, $(date -u +%Y-%m-%d)"

@@ -14,7 +14,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,12 @@ class LeaseGuard:
                     del self._held[key]
                 self._cond.notify_all()
 
+    def step_scope(self, binding: LaneBinding, num_tokens: int) -> AbstractContextManager[None]:
+        """Settings for one step of ``num_tokens`` tokens inside ``binding`` (enter on the lane thread).
+
+        None by default; the CPU backend picks the step's intra-op thread count."""
+        return nullcontext()
+
     def in_use(self) -> dict[tuple[Lane, int], int]:
         with self._cond:
             return dict(self._held)
@@ -105,6 +111,12 @@ class PartitionBackend(ABC):
         r = self.rung(rung)
         with self._guard.lease((Lane(lane), r.index)), self._bind(Lane(lane), r) as binding:
             yield binding
+
+    def step_scope(self, binding: LaneBinding, num_tokens: int) -> AbstractContextManager[None]:
+        """Settings for one step of ``num_tokens`` tokens inside ``binding`` (enter on the lane thread).
+
+        None by default; the CPU backend picks the step's intra-op thread count."""
+        return nullcontext()
 
     def in_use(self) -> dict[tuple[Lane, int], int]:
         return self._guard.in_use()

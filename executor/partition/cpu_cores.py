@@ -13,6 +13,13 @@ Each lane thread gets its own OpenMP worker team, created with the lane's affini
 keeps the mask it was created with, so after a rung change a reused worker may still run on
 the cores of its first rung (exact on 2 cores, where a partitioned lane has no workers).
 
+A step of at most :data:`ONE_THREAD_MAX_TOKENS` tokens (a decode of a few sequences) runs on one
+intra-op thread: its matmuls are memory-bound and one thread moves nearly what two do, while a
+second thread adds an OpenMP barrier per op that stalls whenever the other core is busy (the
+orchestrator, a client, the prefill lane).  Measured, ``bench`` model, 4 sequences at 3k context on
+2 vCPUs: 41 ms alone on one thread vs 44.5 ms on two; beside an idle-priority prefill 36–42 ms vs
+44–46 ms, the prefill also faster.  At 8 sequences two threads win (43 vs 58 ms).
+
 On the shared (top) rung both lanes may use every core, and the prefill lane thread runs at
 ``SCHED_IDLE`` — the CPU analogue of decode's high-priority stream: decode preempts prefill, and
 prefill soaks up the cycles decode leaves (between steps, Python gaps).  Its OpenMP workers inherit
@@ -34,6 +41,8 @@ from agentserve.executor.partition.ladder import CPU_GRANULARITY, DEFAULT_SHARES
 from agentserve.shm.messages import Lane, Rung
 
 log = logging.getLogger(__name__)
+
+ONE_THREAD_MAX_TOKENS = 4
 
 
 def usable_cores() -> list[int]:
@@ -134,6 +143,18 @@ class CpuCoresBackend(PartitionBackend):
         finally:
             torch.set_num_threads(old_threads)
             os.sched_setaffinity(tid, old_mask)
+
+    @contextmanager
+    def step_scope(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
+        """One intra-op thread for a step of at most ``ONE_THREAD_MAX_TOKENS`` tokens, the binding's count otherwise."""
+        if binding.threads <= 1 or num_tokens > ONE_THREAD_MAX_TOKENS:
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(binding.threads)
 
     def _release(self) -> None:
         """Nothing to free: bindings restore their thread's mask and thread count on exit."""

@@ -10,7 +10,8 @@ import torch
 from partition_fakes import Gpu
 
 from agentserve.executor.lanes import LaneWorker, Marker, SeqReady
-from agentserve.executor.partition.cpu_cores import CpuCoresBackend
+from agentserve.executor.partition.base import LaneBinding
+from agentserve.executor.partition.cpu_cores import ONE_THREAD_MAX_TOKENS, CpuCoresBackend
 from agentserve.executor.partition.green_ctx import GreenCtxBackend
 from agentserve.shm.messages import Lane
 
@@ -179,3 +180,28 @@ def test_idle_priority_is_skipped_when_it_cannot_be_undone(monkeypatch: pytest.M
     with LaneWorker(backend, Lane.PREFILL, rung=top) as pre:
         assert pre.submit(lambda b: (os.sched_getscheduler(0), b.idle)).result(10) == (os.SCHED_OTHER, False)
     backend.close()
+
+
+def test_a_step_of_a_few_tokens_runs_on_one_intra_op_thread(cpu: CpuCoresBackend) -> None:
+    """Decode of up to 4 sequences: one thread (no OpenMP barrier to stall); bigger steps: the binding's."""
+    rung = cpu.ladder[-1]
+
+    def threads_in_step(binding_threads: int, tokens: int) -> tuple[int, int]:
+        out: list[int] = []
+
+        def body() -> None:
+            torch.get_num_threads()
+            torch.set_num_threads(binding_threads)
+            binding = LaneBinding(Lane.DECODE, rung, binding_threads, threads=binding_threads)
+            with cpu.step_scope(binding, tokens):
+                out.append(torch.get_num_threads())
+            out.append(torch.get_num_threads())
+
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+        return out[0], out[1]
+
+    assert threads_in_step(2, ONE_THREAD_MAX_TOKENS) == (1, 2)
+    assert threads_in_step(2, ONE_THREAD_MAX_TOKENS + 1) == (2, 2)
+    assert threads_in_step(1, 1) == (1, 1)
