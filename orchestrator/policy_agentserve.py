@@ -61,8 +61,8 @@ class AgentServe(Policy):
     def decode_rung(self, q: Queues, now: float, prefill_rung: int | None) -> int:
         full = self.ladder.full
         cold = q.waiting[Phase.COLD] or q.prefilling[Phase.COLD]
-        if self.config.scheduler.decode_full_rung_when_idle and prefill_rung is None and not cold:
-            return full
+        if self.config.scheduler.decode_full_rung_when_idle and prefill_rung in (None, full) and not cold:
+            return full  # no cold prefill: at most resumes beside it on the full rung, at low priority
         pos = self.ctl.pos
         if self.starving(q, now):
             pos = min(pos, self.guard_pos)
