@@ -261,6 +261,11 @@ def test_with_no_cold_prefill_a_resume_takes_the_idle_prefill_lane(on_prefill_la
         (plan,) = plans
         assert plan.lane is Lane.PREFILL and [s.seq_id for s in plan.seqs] == [resume]
         assert plan.seqs[0].sample and len(plan.seqs[0].token_ids) == 60
+        full = d.sched.ladder.full
+        assert decode_plan.rung == plan.rung == full, "no cold prefill: both lanes on the full rung"
+        d.land()
+        (after,) = d.pump()
+        assert after.lane is Lane.DECODE and after.rung == full, "decode keeps the full rung beside a resume"
     else:
         assert plans == []
         d.land()
