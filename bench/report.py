@@ -63,11 +63,16 @@ def ratios(figures: dict[str, Any], reference: dict[str, Any]) -> dict[str, floa
     return out
 
 
+def reference_of(systems: dict[str, Any]) -> str:
+    """The system every ratio is taken against: ``agentserve`` if it ran, else the first."""
+    return REFERENCE if REFERENCE in systems else next(iter(systems))
+
+
 def build(systems: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     """The JSON report: ``{"meta": ..., "reference": name, "policies": {name: figures + ratios}}``."""
     if not systems:
         raise ValueError("no system was benchmarked")
-    ref = REFERENCE if REFERENCE in systems else next(iter(systems))
+    ref = reference_of(systems)
     policies = {name: {**figs, "ratios": ratios(figs, systems[ref])} for name, figs in systems.items()}
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": platform.machine(),
             "platform": platform.platform(), "cpus": os.cpu_count(),

@@ -41,14 +41,16 @@ def launchers(policies: list[str], model: str, spec: WorkloadSpec, server_args: 
     return out
 
 
-def per_repeat_ratios(runs: dict[str, list[RunRecord]], slo: SLO, repeats: int) -> list[dict[str, Any]]:
-    """Each repeat's headline ratios (system / reference), so the spread between repeats is visible."""
+def per_repeat_ratios(runs: dict[str, list[RunRecord]], slo: SLO) -> list[dict[str, Any]]:
+    """Each repeat's headline ratios (system / reference), so the spread between repeats is visible.
+
+    Every system in ``runs`` has one run per repeat (``run_systems`` drops a system that failed)."""
     keys = ("tpot_p95", "ttft_resume_p95", "throughput_tok_s")
     out = []
-    for i in range(repeats):
-        figs = {name: aggregate(r[i], slo) for name, r in runs.items() if len(r) > i}
-        rep = reporting.build(figs, {})
-        out.append({name: {k: p["ratios"][k] for k in keys} for name, p in rep["policies"].items()})
+    for repeat in zip(*runs.values(), strict=True):
+        figs = {name: aggregate(run, slo) for name, run in zip(runs, repeat, strict=True)}
+        ref = figs[reporting.reference_of(figs)]
+        out.append({name: {k: reporting.ratios(f, ref)[k] for k in keys} for name, f in figs.items()})
     return out
 
 
@@ -169,7 +171,7 @@ def bench(workload: str, agents: int | None, policies: str, duration: float, war
             "slo": {"ttft_ms": ttft_slo_ms, "tpot_ms": tpot_slo_ms}, "target": target, "failed": failed,
             "repeats": repeats}
     if repeats > 1:
-        meta["per_repeat_ratios"] = per_repeat_ratios(runs, slo, repeats)
+        meta["per_repeat_ratios"] = per_repeat_ratios(runs, slo)
     rep = reporting.build(figures, meta)
     reporting.print_table(rep, console)
     if json_path:

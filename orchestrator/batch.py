@@ -24,14 +24,13 @@ class BatchHost(Protocol):
 
 class Batch:
     __slots__ = (
-        "host", "lane", "max_seqs", "now", "block_size", "overlap", "entries", "seqs", "in_batch", "num_decode",
+        "host", "lane", "max_seqs", "now", "block_size", "entries", "seqs", "in_batch", "num_decode",
         "num_prefill_tokens", "blocked",
     )  # fmt: skip
 
     def __init__(self, host: BatchHost, lane: Lane, max_seqs: int, now: float, block_size: int) -> None:
         self.host, self.lane, self.max_seqs, self.now = host, lane, max_seqs, now
         self.block_size = block_size
-        self.overlap = False  # decodes already in flight may be planned again (fed their last sample)
         self.entries: list[tuple[Request, int, bool, bool]] = []  # (request, tokens fed, sampled, decode)
         self.seqs: list[SeqPlan] = []
         self.in_batch: set[int] = set()
@@ -52,7 +51,7 @@ class Batch:
         if len(self.seqs) >= self.max_seqs or req.state is not ReqState.DECODE or req.seq_id in self.in_batch:
             return False
         ahead = req.ahead
-        if req.inflight and not (self.overlap and req.inflight == ahead):
+        if req.inflight != ahead:  # in flight in a prefill step: wait for it; only decodes may run ahead
             return False
         tokens, table = req.tokens, req.block_table
         positions = len(tokens) + ahead  # position of the token fed, plus one

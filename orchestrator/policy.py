@@ -3,7 +3,8 @@
 A policy fills a :class:`~agentserve.orchestrator.batch.Batch` for a free lane from the queues and
 returns ``(token_budget, rung)`` for the Plan, or ``None`` to leave the lane idle this step.  It
 never touches blocks itself: the batch asks the scheduler to admit, grow and preempt.
-``other_rung`` is the rung of the other lane's plan in flight (``None`` when that lane is idle).
+``other_rung`` is the rung the other lane holds: the full rung if any of its plans in flight is on it,
+else that of its latest plan (``None`` when that lane is idle).
 """
 
 from __future__ import annotations

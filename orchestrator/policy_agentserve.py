@@ -58,14 +58,13 @@ class AgentServe(Policy):
         head = q.head(Phase.COLD)
         return head is not None and not head.inflight and now - head.queued_since > self.config.guard.starvation_s
 
-    def decode_rung(self, q: Queues, now: float, prefill_rung: int | None) -> int:
+    def decode_rung(self, q: Queues, starving: bool, prefill_rung: int | None) -> int:
+        """The decode lane's rung, given the rung the prefill lane holds (``None``: idle)."""
         full = self.ladder.full
         cold = q.waiting[Phase.COLD] or q.prefilling[Phase.COLD]
         if self.config.scheduler.decode_full_rung_when_idle and prefill_rung in (None, full) and not cold:
             return full  # no cold prefill: at most resumes beside it on the full rung, at low priority
-        pos = self.ctl.pos
-        if self.starving(q, now):
-            pos = min(pos, self.guard_pos)
+        pos = min(self.ctl.pos, self.guard_pos) if starving else self.ctl.pos
         rung = self.ladder.control[pos]
         if rung == full and prefill_rung not in (None, full):
             # a prefill step still holds its partition at normal priority: move up when it is back
@@ -73,21 +72,26 @@ class AgentServe(Policy):
         return rung
 
     def fill(self, lane: Lane, batch: Batch, q: Queues, now: float, other_rung: int | None):
+        starving = self.starving(q, now)
         if lane is Lane.DECODE:
-            rung = self.decode_rung(q, now, other_rung)
+            rung = self.decode_rung(q, starving, other_rung)
             self.decode_all(batch, q)
-            self.add_resumes(batch, q, self.ctl.b_prefill, not self.starving(q, now))
+            self.add_resumes(batch, q, self.ctl.b_prefill, not starving)
             return batch.num_decode + self.ctl.b_prefill, rung
-        if other_rung is None and not q.decoding:
-            rung = self.ladder.full  # nothing to decode: the prefill takes the whole device
-        else:
-            headed = self.decode_rung(q, now, self.ladder.full)  # decode's rung once this step is running
-            rung = headed if other_rung is None or headed == self.ladder.full else other_rung
+        rung = self.prefill_rung(q, starving, other_rung)
         sc = self.config.scheduler
         budget = sc.cold_chunk_tokens
         if not self.add_colds(batch, q, budget, sc.max_prefill_seqs) and sc.resumes_on_idle_prefill_lane:
-            self.add_resumes(batch, q, budget, not self.starving(q, now))
+            self.add_resumes(batch, q, budget, not starving)
         return budget, rung
+
+    def prefill_rung(self, q: Queues, starving: bool, decode_rung: int | None) -> int:
+        """The prefill lane's rung, given the rung the decode lane holds (``None``: idle)."""
+        full = self.ladder.full
+        if decode_rung is None and not q.decoding:
+            return full  # nothing to decode: the prefill takes the whole device
+        headed = self.decode_rung(q, starving, full)  # where decode goes while this prefill step runs
+        return headed if decode_rung is None or headed == full else decode_rung
 
     def add_resumes(self, batch: Batch, q: Queues, budget: int, admit_new: bool) -> int:
         left = budget

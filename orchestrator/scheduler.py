@@ -6,7 +6,7 @@ Driving it (the server process does this; tests do it with a fake executor)::
     sid = sched.open_session()
     seq = sched.submit(sid, prompt_ids, SamplingParams(max_tokens=64))
     loop:
-        for msg in sched.schedule():          # Release first, then at most one Plan per free lane
+        for msg in sched.schedule():          # Release first, then Plans for lanes with room
             ring.put(msg)
         for result in results_from_ring():
             for ev in sched.on_result(result):  # TokenEvent: token, first-token flag, finish
@@ -27,7 +27,8 @@ Public API (all ``now`` arguments default to ``clock()``):
 - ``end_turn(seq_id, in_tool_call, now=None)`` — the turn's output was parsed: in a tool call, the
   session's blocks stay pinned for a TTL learned from its tool latencies; otherwise released.
 - ``close_session(session_id, now=None) -> list[TokenEvent]`` — abort its turn, free its blocks.
-- ``schedule(now=None) -> list[Plan | Release]`` — a lane is busy from its Plan until its Result.
+- ``schedule(now=None) -> list[Plan | Release]`` — a lane holds one Plan in flight (the decode lane up
+  to ``1 + decode_lookahead`` while nothing waits to be prefilled); a Plan is in flight until its Result.
 - ``on_result(result, now=None) -> list[TokenEvent]``; ``on_error(error, now=None)`` likewise.
 - ``stats(now=None) -> dict`` — queues per class, rung, B_prefill, KV use, prefix hits, TPOT/TTFT.
 - ``take_events() -> list[TokenEvent]`` — events produced outside ``on_result`` (call after
@@ -119,7 +120,6 @@ class Scheduler:
         self.next_expiry = math.inf
         self.lanes: dict[Lane, deque[Inflight]] = {lane: deque() for lane in self.policy.lanes}
         self.lookahead = self.config.scheduler.decode_lookahead
-        self.last_rung: dict[Lane, int] = {}  # rung of each lane's latest plan
         self.releases: list[int] = []
         self.seq_ids = itertools.count(1)
         self.steps = itertools.count(1)
@@ -362,7 +362,6 @@ class Scheduler:
 
     def _plan_lane(self, lane: Lane, now: float) -> tuple[Plan | None, bool]:
         batch = Batch(self, lane, self.policy.max_seqs(lane), now, self.kv.block_size)
-        batch.overlap = bool(self.lanes[lane])
         decision = self.policy.fill(lane, batch, self.q, now, self._other_rung(lane))
         if decision is None or not batch.seqs:
             return None, batch.blocked
@@ -372,7 +371,6 @@ class Scheduler:
             req.inflight += 1
             req.ahead += decode
         self.lanes[lane].append(Inflight(step, rung, batch.entries, now))
-        self.last_rung[lane] = rung
         self.counters["plans"] += 1
         return Plan(step, lane, rung, budget, batch.seqs), batch.blocked
 
@@ -568,7 +566,6 @@ class Scheduler:
             "sessions": len(self.sessions),
             "sessions_in_tool": in_tool,
             "lanes_busy": {lane.name.lower(): bool(q) for lane, q in self.lanes.items()},
-            "lane_rungs": {lane.name.lower(): rung for lane, rung in self.last_rung.items()},
             "kv": {
                 "blocks": pool.num_blocks,
                 "used": pool.num_used(),

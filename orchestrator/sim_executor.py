@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from agentserve.orchestrator.ladder import Ladder
 from agentserve.shm.messages import Finish, Lane, Plan, Ready, Release, Result, Rung, SamplingParams, SeqResult
 
 EOS = 2
@@ -87,7 +88,7 @@ class FakeExecutor:
         self.info, self.cost, self.oracle = info, cost or CostModel(), oracle
         self.bs = info.block_size
         self.rungs = {r.index: r for r in info.ladder}
-        self.total = max(r.decode_units + r.prefill_units if r.partitioned else r.decode_units for r in info.ladder)
+        self.total = Ladder(info.ladder).total
         self.kv: list[int | None] = [None] * (info.num_blocks * info.block_size)
         self.seqs: dict[int, _Seq] = {}
         self.users: dict[int, set[int]] = {}

@@ -65,12 +65,6 @@ class LeaseGuard:
                     del self._held[key]
                 self._cond.notify_all()
 
-    def step_scope(self, binding: LaneBinding, num_tokens: int) -> AbstractContextManager[None]:
-        """Settings for one step of ``num_tokens`` tokens inside ``binding`` (enter on the lane thread).
-
-        None by default; the CPU backend picks the step's intra-op thread count."""
-        return nullcontext()
-
     def in_use(self) -> dict[tuple[Lane, int], int]:
         with self._cond:
             return dict(self._held)
