@@ -3,9 +3,12 @@
 Decode uses ``scaled_dot_product_attention`` everywhere; on CPU a prefix of blocks shared by the whole
 batch (agents' common system prompt) is attended once for all of it (:mod:`.cascade`).
 
-Prefill uses SDPA on CUDA; on CPU the SDPA flash kernel is ~3x slower than BLAS, so prefill there runs
-blocked matmul attention (query blocks of :data:`CPU_ROW_BLOCK` rows and at most :data:`CPU_SCORE_BYTES`
-of scores, each attending only up to its last causal key).
+Prefill uses SDPA on CUDA.  On CPU it calls SDPA's flash kernel directly with each KV head's query group
+folded into rows (K/V read once per group, never repeated) and an additive causal mask, in query blocks
+of at most :data:`CPU_ROW_BLOCK` rows and :data:`CPU_MASK_BYTES` of mask, each block attending only up to
+its last causal key.  Against blocked BLAS matmul attention on 2 cores (``bench`` model, one layer): equal
+for a fresh 512-token chunk, 2-3x faster for a chunk after 1-3k cached tokens (512 rows after 3100: 98 →
+44 ms; 16 rows: 4.0 → 2.4 ms) — the BLAS path paid for a transposed copy of every cached key.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 from agentserve.executor.attention import cascade
 from agentserve.executor.attention.base import AttentionBackend, AttentionBatch
 
-CPU_SCORE_BYTES = 64 << 20  # cap on one block's fp32 scores
+CPU_MASK_BYTES = 16 << 20  # cap on one query block's additive mask (rows x keys)
 CPU_ROW_BLOCK = 256  # query rows per block: smaller blocks skip more of the masked upper triangle
 
 
@@ -138,7 +141,7 @@ class TorchAttention(AttentionBackend):
             if c.blocks is not None:
                 ck = _gather(k_cache, c.blocks)[: c.end - c.begin + c.start]
                 cv = _gather(v_cache, c.blocks)[: c.end - c.begin + c.start]
-            attend = self._sdpa_chunk if self.sdpa_prefill else self._matmul_chunk
+            attend = self._sdpa_chunk if self.sdpa_prefill else self._flash_chunk
             out[c.begin : c.end] = attend(q[c.begin : c.end], ck, cv, c.start)
         if meta.decode is not None:
             rows = meta.decode_rows
@@ -181,20 +184,19 @@ class TorchAttention(AttentionBackend):
                                              is_causal=mask is None, scale=self.scale)
         return out.transpose(0, 1)
 
-    def _matmul_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-        """Blocked eager attention (softmax in fp32, as transformers' eager path). Shapes as ``_sdpa_chunk``."""
+    def _flash_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """CPU prefill in query blocks, GQA groups folded into rows. Shapes as ``_sdpa_chunk``."""
         n, s, kvh, g, d = q.shape[0], k.shape[0], self.num_kv_heads, self.group, self.head_dim
-        qh = q.transpose(0, 1).reshape(kvh, g, n, d)
-        kt = k.permute(1, 2, 0).contiguous()  # [kv_heads, D, S]
-        vh = v.transpose(0, 1).contiguous()  # [kv_heads, S, D]
+        qh = q.view(n, kvh, g, d).permute(1, 2, 0, 3)  # [kv_heads, group, n, D]
+        kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, S, D] views
         out = torch.empty(n, kvh, g, d, dtype=q.dtype, device=q.device)
-        rows = max(1, min(CPU_ROW_BLOCK, CPU_SCORE_BYTES // (4 * self.num_heads * s)))
+        rows = max(1, min(CPU_ROW_BLOCK, CPU_MASK_BYTES // (q.element_size() * g * s)))
         for r0 in range(0, n, rows):
             r1, keys = min(n, r0 + rows), start + min(n, r0 + rows)  # keys past the block's last row are masked
-            qb = qh[:, :, r0:r1].reshape(kvh, g * (r1 - r0), d)
-            scores = torch.bmm(qb, kt[:, :, :keys]).mul_(self.scale).view(kvh, g, r1 - r0, keys)
-            causal = torch.ones(r1 - r0, keys, dtype=torch.bool, device=q.device).tril_(start + r0)
-            probs = scores.masked_fill_(~causal, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
-            ob = torch.bmm(probs.view(kvh, g * (r1 - r0), keys), vh[:, :keys])
+            qb = qh[:, :, r0:r1].reshape(1, kvh, g * (r1 - r0), d)
+            future = torch.ones(r1 - r0, keys, dtype=torch.bool, device=q.device).triu_(start + r0 + 1)
+            mask = torch.zeros(r1 - r0, keys, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
+            ob, _ = _flash_cpu(qb, kh[:, :, :keys], vh[:, :, :keys], attn_mask=mask.repeat(g, 1)[None, None],
+                               scale=self.scale)
             out[r0:r1] = ob.view(kvh, g, r1 - r0, d).permute(2, 0, 1, 3)
         return out.view(n, self.num_heads, d)

@@ -95,10 +95,10 @@ def test_sdpa_prefill_path_matches_transformers(case):
 
 
 def test_blocked_cpu_attention_with_tiny_blocks(case, monkeypatch):
-    """Force one query row per score block in the CPU matmul path: results must not change."""
+    """Force one query row per mask block in the CPU flash path: results must not change."""
     from agentserve.executor.attention import torch_backend
 
-    monkeypatch.setattr(torch_backend, "CPU_SCORE_BYTES", 1)
+    monkeypatch.setattr(torch_backend, "CPU_MASK_BYTES", 1)
     runner = fp32_runner(case)
     a = case.prompts[3]
     runner.prefill([PrefillChunk(a[:20], 0, list(range(8)))])
