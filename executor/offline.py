@@ -19,11 +19,11 @@ from agentserve.executor.builtin import resolve_model
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 from agentserve.executor.sampler import Sampler, make_generator
-from agentserve.executor.stopping import finish_reason
 from agentserve.orchestrator.detokenizer import IncrementalDetokenizer
 from agentserve.orchestrator.stop_strings import StopStringMatcher
 from agentserve.orchestrator.tokenization import Tokenizer
 from agentserve.shm.messages import Finish, SamplingParams
+from agentserve.shm.stopping import finish_reason
 
 log = logging.getLogger(__name__)
 

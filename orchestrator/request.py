@@ -39,7 +39,7 @@ class Request:
     __slots__ = (
         "seq_id", "session", "tokens", "num_prompt", "sampling", "priority", "arrival", "state", "phase",
         "num_computed", "block_table", "hashes", "keys", "hit_cache", "deferred_on", "num_sealed",
-        "num_ready", "blocks_sent", "sampling_sent", "inflight", "ahead", "letgo_pending", "had_kv",
+        "num_ready", "blocks_sent", "sampling_sent", "inflight", "ahead", "had_kv",
         "num_output", "first_token_t", "last_token_t", "queued_since", "first_service_t", "finish",
         "abort_pending", "end_tool", "num_cached", "preemptions",
     )  # fmt: skip
@@ -74,7 +74,6 @@ class Request:
         self.sampling_sent = False
         self.inflight = 0  # plans in flight that hold this request
         self.ahead = 0  # decode tokens in flight (fed, not yet confirmed): the overlap lookahead
-        self.letgo_pending = False  # finished while in flight: blocks and Release wait for the results
         self.had_kv = False  # finished after its prompt was computed (its table is worth retaining)
         self.num_output = 0
         self.first_token_t: float | None = None

@@ -66,6 +66,7 @@ from agentserve.orchestrator.queues import Queues
 from agentserve.orchestrator.request import Phase, ReqState, Request
 from agentserve.orchestrator.session import Session, tool_ttl
 from agentserve.shm.messages import ExecError, Finish, Lane, Plan, Ready, Release, Result, SamplingParams
+from agentserve.shm.stopping import finish_reason
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ class Scheduler:
         req = self.ended.get(seq_id)
         if req is None:
             return
-        if req.letgo_pending:  # its blocks come back with its last result: decide then
+        if req.inflight:  # finished with plans still out: its blocks come back with the last result
             req.end_tool = in_tool_call
             return
         del self.ended[seq_id]
@@ -248,11 +249,7 @@ class Scheduler:
         sampled = {s.seq_id: s for s in result.seqs}
         bs = self.kv.block_size
         for req, n, sample, decode in inflight.entries:
-            req.inflight -= 1
-            req.ahead -= decode
-            if req.state is ReqState.FINISHED:  # a plan sent ahead of its finish: nothing to take
-                if req.letgo_pending and not req.inflight:
-                    self._let_go(req, now)
+            if self._landed(req, decode, now):  # a plan sent ahead of its finish: nothing to take
                 continue
             req.num_computed += n
             if req.num_computed >= (req.num_ready + 1) * bs:
@@ -292,13 +289,8 @@ class Scheduler:
             else:
                 continue
             for req, _, _, decode in (e for p in failed for e in p.entries):
-                req.inflight -= 1
-                req.ahead -= decode
-            for req, _, _, _ in (e for p in failed for e in p.entries):
-                if req.state is not ReqState.FINISHED:
+                if not self._landed(req, decode, now):
                     events.append(self._finish(req, Finish.ABORT, now))
-                elif req.letgo_pending and not req.inflight:
-                    self._let_go(req, now)
         for seq_id in error.seq_ids:
             events += self.abort(seq_id, now)
         return events
@@ -403,19 +395,11 @@ class Scheduler:
             self.tpot_ctl.add(now, now - req.last_token_t)
         req.last_token_t = now
         if finish is Finish.NONE:
-            finish = self._stop_reason(req, token)
+            finish = finish_reason(token, req.num_output, req.sampling, self.eos, len(req.tokens), self.max_len)
         if finish is not Finish.NONE:
             return self._finish(req, finish, now, token, first, logprob)
         sid = req.session.session_id
         return TokenEvent(req.seq_id, sid, token, finish, first, req.num_output, now, logprob)
-
-    def _stop_reason(self, req: Request, token: int) -> Finish:
-        sp = req.sampling
-        if (token in self.eos and not sp.ignore_eos) or token in sp.stop_token_ids:
-            return Finish.STOP
-        if req.num_output >= sp.max_tokens or len(req.tokens) >= self.max_len:
-            return Finish.LENGTH
-        return Finish.NONE
 
     def _finish(
         self, req: Request, reason: Finish, now: float, token: int = -1, first: bool = False, lp: float = 0.0
@@ -431,16 +415,25 @@ class Scheduler:
         req.had_kv = had_kv
         event = TokenEvent(req.seq_id, session.session_id, token, reason, first, req.num_output, now, lp)
         if req.inflight:  # plans sent ahead may still write its blocks: keep them until they are back
-            req.letgo_pending = True
             self.letting_go[req.seq_id] = req
             self.ended[req.seq_id] = req
         else:
             self._let_go(req, now)
         return event
 
+    def _landed(self, req: Request, decode: bool, now: float) -> bool:
+        """One planned entry of ``req`` is back (or failed). True when ``req`` had already finished; the
+        last entry back of a finished request lets it go."""
+        req.inflight -= 1
+        req.ahead -= decode
+        if req.state is not ReqState.FINISHED:
+            return False
+        if not req.inflight:
+            self._let_go(req, now)
+        return True
+
     def _let_go(self, req: Request, now: float) -> None:
         """A finished request with nothing in flight: Release it, hand its blocks on or free them."""
-        req.letgo_pending = False
         self.letting_go.pop(req.seq_id, None)
         if req.sampling_sent or req.blocks_sent:
             self.releases.append(req.seq_id)

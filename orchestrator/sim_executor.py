@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from agentserve.orchestrator.ladder import Ladder
 from agentserve.shm.messages import Finish, Lane, Plan, Ready, Release, Result, Rung, SamplingParams, SeqResult
+from agentserve.shm.stopping import finish_reason
 
 EOS = 2
 
@@ -146,11 +147,7 @@ class FakeExecutor:
             return None
         token = self._sample(sp.seq_id, seq.computed)
         seq.last, seq.generated = token, seq.generated + 1
-        sampling, finish = seq.sampling, Finish.NONE
-        if token in sampling.stop_token_ids or (token == EOS and not sampling.ignore_eos):
-            finish = Finish.STOP
-        elif seq.generated >= sampling.max_tokens:
-            finish = Finish.LENGTH
+        finish = finish_reason(token, seq.generated, seq.sampling, (EOS,))
         seq.finished = finish is not Finish.NONE
         return SeqResult(seq_id=sp.seq_id, token_id=token, finish=finish)
 

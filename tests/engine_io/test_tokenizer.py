@@ -83,7 +83,8 @@ def test_orchestrator_side_stays_torch_free(tiny_dir):
     code = (
         "import sys\n"
         "from agentserve.orchestrator import tokenization, tool_calls, stop_strings, detokenizer, chat_template\n"
-        "from agentserve.executor import builtin, stopping\n"
+        "from agentserve.executor import builtin\n"
+        "from agentserve.shm import stopping\n"
         "from agentserve.cli import prompts\n"
         f"t = tokenization.Tokenizer.from_dir({str(tiny_dir)!r})\n"
         "t.apply_chat_template([{'role': 'user', 'content': 'x'}])\n"

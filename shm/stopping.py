@@ -1,4 +1,8 @@
-"""When a sequence stops: eos / stop token ids, max tokens, context length (torch-free)."""
+"""When a sequence stops: eos / stop token ids, max tokens, context length (torch-free).
+
+The rule both ends of the ring apply to a :class:`SamplingParams`: the executor decides a step's finish
+with it, the scheduler checks it again on every token, and the simulated executor uses it too.
+"""
 
 from __future__ import annotations
 
