@@ -293,10 +293,8 @@ class Server:
     def _close(self, rec: SessionRecord) -> None:
         """Abort the session's running turn (its stream ends with ``aborted``), then drop the session."""
         if rec.turn is not None:  # end the client's stream now; the scheduler's late events find no turn
-            seq_id = rec.turn.seq_id
             self._fail_turn(rec, ErrorCode.ABORTED, f"session {rec.session} was closed during the turn")
-            self._emit(self.sched.abort(seq_id))
-        if rec.scheduled:
+        if rec.scheduled:  # a running turn is scheduled too: closing aborts it
             self._emit(self.sched.close_session(str(rec.session)))
         del self.sessions[rec.session]
 
