@@ -454,7 +454,7 @@ class RingReader(_RingEnd):
 
     def get_bytes(self, timeout: float | None = None) -> bytes:
         """The next message's raw bytes (a copy)."""
-        return self._take(timeout, None)
+        return self._take(timeout, bytes)
 
     def poll(self) -> bool:
         """Whether a message is ready (never blocks; ``False`` once closed)."""
@@ -492,8 +492,6 @@ class RingReader(_RingEnd):
             n = self._lens[(off >> 2) + 1]
             if n > self.slot_size:
                 raise CorruptFrame(f"slot {i} of {self.name} claims {n} bytes > slot {self.slot_size}")
-            if convert is None:  # raw bytes: one copy straight out of the mapping
-                return self._seg.mm[off + _SLOT_HDR : off + _SLOT_HDR + n]
             view = buf[off + _SLOT_HDR : off + _SLOT_HDR + n]
             try:
                 return convert(view)

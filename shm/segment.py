@@ -263,11 +263,6 @@ class Segment:
         return cls(name, mm, owner=False)
 
     @property
-    def mm(self) -> mmap.mmap:
-        """The mapping itself (slicing it copies bytes out in one step)."""
-        return self._mm
-
-    @property
     def owner_pid(self) -> int:
         return _HEADER.unpack_from(self.buf, 0)[3]
 
