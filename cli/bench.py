@@ -106,6 +106,8 @@ def run_systems(systems: list[tuple[str, Callable[[], Any]]], spec: WorkloadSpec
                     runs.setdefault(name, []).append(after_warmup(run, warmup))
                 except Exception as e:  # noqa: BLE001 - report this system as failed, go on with the next
                     console.print(f"{label}: {type(e).__name__}: {e}", style="red", markup=False)
+                    if not isinstance(e, servers.ServerFailed):  # not the system's fault: show where
+                        console.print_exception()
                     failed.append(name)
                     runs.pop(name, None)
     return runs, failed
