@@ -46,7 +46,9 @@ build_llama_server() {
   local tree
   tree=$(ls -d "$CACHE"/src/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | head -1 || true)
   if [[ -z "$tree" ]]; then  # an interrupted build resumes in the same tree
-    tar xzf "$sdist" -C "$CACHE/src"
+    rm -rf "$CACHE/src/.unpack" && mkdir "$CACHE/src/.unpack"  # unpacked aside, moved in whole
+    tar xzf "$sdist" -C "$CACHE/src/.unpack"
+    mv "$CACHE"/src/.unpack/llama_cpp_python-* "$CACHE/src/" && rmdir "$CACHE/src/.unpack"
     tree=$(ls -d "$CACHE"/src/llama_cpp_python-*/vendor/llama.cpp | head -1)
   fi
   echo "llama-server: building from $tree with $JOBS jobs (several minutes)"
