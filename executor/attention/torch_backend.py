@@ -47,6 +47,7 @@ class _DecodePlan:
     block_tables: torch.Tensor  # [B, max_blocks] each row's own blocks (padded with block 0, masked out)
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
     shared: torch.Tensor | None = None  # [P] blocks every row starts with (cascade), else None
+    shared_run: int | None = None  # first block when ``shared`` is one run of consecutive blocks (a view)
     additive: torch.Tensor | None = None  # ``mask`` as 0 / -inf in the query dtype (cascade; made once)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -62,6 +63,14 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     ``index_select`` on the flat block axis: on CPU it is ~10x faster than advanced indexing."""
     out = cache.index_select(0, blocks.reshape(-1))
     return out.view(*blocks.shape[:-1], -1, *cache.shape[2:])
+
+
+def _run_start(blocks: list[int]) -> int | None:
+    """The first block when ``blocks`` are consecutive ids (their K/V are one slice of the cache), else None.
+
+    The agents' shared prefix usually is: it is the first thing written into a fresh cache."""
+    first = blocks[0]
+    return first if blocks == list(range(first, first + len(blocks))) else None
 
 
 def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -116,9 +125,10 @@ class TorchAttention(AttentionBackend):
         n_shared = cascade.shared_blocks(rows, seq_lens, bs) if self.cascade_decode else 0
         if n_shared * bs < cascade.MIN_SHARED_TOKENS:
             n_shared = 0
-        shared = None
+        shared = run = None
         if n_shared:
             shared = torch.tensor(rows[0][:n_shared], dtype=torch.int64).to(self.device, non_blocking=True)
+            run = _run_start(rows[0][:n_shared])
             rows = [r[n_shared:] for r in rows]
             seq_lens = [n - n_shared * bs for n in seq_lens]
         width = max(len(r) for r in rows)
@@ -127,7 +137,7 @@ class TorchAttention(AttentionBackend):
         lens = torch.tensor(seq_lens, dtype=torch.int64).to(self.device, non_blocking=True)
         span = torch.arange(width * bs, device=self.device)
         mask = (span[None, :] < lens[:, None])[:, None, None, :]
-        return _DecodePlan(slots, tables, mask, shared)
+        return _DecodePlan(slots, tables, mask, shared, run)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: _PrefillPlan | _DecodePlan) -> torch.Tensor:
@@ -158,16 +168,22 @@ class TorchAttention(AttentionBackend):
             out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.mask, scale=self.scale)
             return out.reshape(b, -1)
         own, own_lse = _flash_cpu(qg, kc, vc, attn_mask=meta.additive_mask(q.dtype), scale=self.scale)
-        shared, shared_lse = self._decode_shared(qg, k_cache, v_cache, meta.shared)
+        shared, shared_lse = self._decode_shared(qg, k_cache, v_cache, meta.shared, meta.shared_run)
         return cascade.merge(shared, shared_lse, own, own_lse).reshape(b, -1)
 
     def _decode_shared(self, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       blocks: torch.Tensor, run: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query of the batch against the shared blocks in one call: the batch's rows become query
-        rows of each KV head.  Returns output ``[B, kv_heads, group, D]`` and its lse ``[B, kv_heads, group]``."""
+        rows of each KV head.  Returns output ``[B, kv_heads, group, D]`` and its lse ``[B, kv_heads, group]``.
+
+        ``run``: the blocks are consecutive from ``run`` — their K/V are read in place, not gathered."""
         b, kvh, g, d = qg.shape
-        ks = _gather(k_cache, blocks).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, P, D]
-        vs = _gather(v_cache, blocks).transpose(0, 1).unsqueeze(0)
+        if run is None:
+            ks, vs = _gather(k_cache, blocks), _gather(v_cache, blocks)
+        else:
+            n = blocks.numel()
+            ks, vs = (c.narrow(0, run, n).view(-1, *c.shape[2:]) for c in (k_cache, v_cache))
+        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, P, D]
         rows = qg.transpose(0, 1).reshape(1, kvh, b * g, d)
         out, lse = _flash_cpu(rows, ks, vs, scale=self.scale)
         return out.view(kvh, b, g, d).transpose(0, 1), lse.view(kvh, b, g).transpose(0, 1)

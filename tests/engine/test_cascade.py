@@ -37,12 +37,14 @@ def test_merge_equals_attention_over_the_union():
     assert torch.allclose(merged, whole, atol=1e-6)
 
 
-def _decode_batch(prefix_blocks: int, own: list[int], block_size: int) -> AttentionBatch:
-    """Rows share ``prefix_blocks`` blocks, then row ``i`` has ``own[i]`` more tokens in blocks of its own."""
+def _decode_batch(prefix_blocks: int, own: list[int], block_size: int, scatter: bool = False) -> AttentionBatch:
+    """Rows share ``prefix_blocks`` blocks (consecutive, or reversed with ``scatter``), then row ``i`` has
+    ``own[i]`` more tokens in blocks of its own."""
     tables, lens, nxt = [], [], prefix_blocks
+    prefix = list(range(prefix_blocks))[:: -1 if scatter else 1]
     for n in own:
         mine = -(-n // block_size)
-        tables.append(list(range(prefix_blocks)) + list(range(nxt, nxt + mine)))
+        tables.append(prefix + list(range(nxt, nxt + mine)))
         lens.append(prefix_blocks * block_size + n)
         nxt += mine
     slots = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size
@@ -52,12 +54,13 @@ def _decode_batch(prefix_blocks: int, own: list[int], block_size: int) -> Attent
 
 @settings(max_examples=40, deadline=None)
 @given(prefix_blocks=st.integers(0, 6), own=st.lists(st.integers(1, 40), min_size=1, max_size=5),
-       group=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
-def test_cascade_decode_equals_plain_decode(prefix_blocks, own, group, seed):
+       group=st.sampled_from([1, 2, 4]), scatter=st.booleans(), seed=st.integers(0, 2**16))
+def test_cascade_decode_equals_plain_decode(prefix_blocks, own, group, scatter, seed):
+    """Gathered or (consecutive blocks) read in place, the shared prefix gives plain decode's result."""
     bs, kvh, d = 4, 2, 8
     plain = TorchAttention(kvh * group, kvh, d, bs, torch.device("cpu"), cascade_decode=False)
     casc = TorchAttention(kvh * group, kvh, d, bs, torch.device("cpu"), cascade_decode=True)
-    batch = _decode_batch(prefix_blocks, own, bs)
+    batch = _decode_batch(prefix_blocks, own, bs, scatter)
     g = torch.Generator().manual_seed(seed)
     num_blocks = prefix_blocks + sum(-(-n // bs) for n in own)
     k_cache, v_cache = (torch.randn(num_blocks, bs, kvh, d, generator=g) for _ in range(2))
@@ -67,6 +70,7 @@ def test_cascade_decode_equals_plain_decode(prefix_blocks, own, group, seed):
         mp.setattr(cascade, "MIN_SHARED_TOKENS", 1)
         plan = casc.plan(batch)
     assert (plan.shared is not None) == (len(own) > 1 and prefix_blocks > 0)
+    assert (plan.shared_run is not None) == (plan.shared is not None and not (scatter and prefix_blocks > 1))
     want = plain.forward(q, k, v, k_cache.clone(), v_cache.clone(), plain.plan(batch))
     got = casc.forward(q, k, v, k_cache.clone(), v_cache.clone(), plan)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
@@ -89,6 +93,7 @@ def test_runner_cascade_decode_matches_transformers(case, monkeypatch):
     monkeypatch.setattr(runner.attention, "plan", lambda b: seen.append(plan(b)) or seen[-1])
     got = runner.decode(items)
     assert seen[0].shared is not None and seen[0].shared.tolist() == list(range(6))
+    assert seen[0].shared_run == 0  # blocks 0-5: read in place
     for row, t, x in zip(got, tails, nxt, strict=True):
         ref = hf_logits(case.hf, prefix + t + [x])[-1]
         assert ((row - ref).abs().max() / ref.abs().max()).item() < REL_TOL
