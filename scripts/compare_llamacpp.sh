@@ -48,7 +48,10 @@ build_llama_server() {
   if [[ -z "$tree" ]]; then  # an interrupted build resumes in the same tree
     rm -rf "$CACHE/src/.unpack" && mkdir "$CACHE/src/.unpack"  # unpacked aside, moved in whole
     tar xzf "$sdist" -C "$CACHE/src/.unpack"
-    mv "$CACHE"/src/.unpack/llama_cpp_python-* "$CACHE/src/" && rmdir "$CACHE/src/.unpack"
+    for d in "$CACHE"/src/.unpack/llama_cpp_python-*; do  # replaces a half tree an older run left
+      rm -rf "$CACHE/src/${d##*/}" && mv "$d" "$CACHE/src/"
+    done
+    rmdir "$CACHE/src/.unpack"
     tree=$(ls -d "$CACHE"/src/llama_cpp_python-*/vendor/llama.cpp | head -1)
   fi
   echo "llama-server: building from $tree with $JOBS jobs (several minutes)"

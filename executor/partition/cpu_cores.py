@@ -23,10 +23,12 @@ orchestrator, a client, the prefill lane).  Measured, ``bench`` model, 4 sequenc
 On the shared (top) rung both lanes may use every core, and the prefill lane thread runs at
 ``SCHED_IDLE`` — the CPU analogue of decode's high-priority stream: decode preempts prefill, and
 prefill soaks up the cycles decode leaves (between steps, Python gaps).  The lane thread's OpenMP
-workers take the policy only if they are created after the switch: a worker first created on a
-partitioned rung keeps normal priority on the shared rung.  On 2 cores that cannot happen (a
-partitioned lane has one core and no workers); on more cores the shared rung's prefill can compete
-with decode through such workers — setting worker policies is a known gap.
+workers take the policy only if they are created after the switch, and keep it: a worker first
+created on a partitioned rung keeps normal priority on the shared rung, and one created on the
+shared rung stays idle-priority on a partitioned rung (harmless: those cores are the lane's own).
+On 2 cores the first cannot happen (a partitioned lane has one core and no workers); on more cores
+the shared rung's prefill can compete with decode through such workers — setting worker policies
+is a known gap.
 """
 
 from __future__ import annotations
