@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 
 STATS_WINDOW_S = 10.0
 PHASE_RANK = {Phase.COLD: 0, Phase.RESUME: 1, Phase.DECODE: 2}
+_COUNTER = {Finish.ABORT: "aborted", Finish.ERROR: "failed"}  # counter of each end; the rest "finished"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -129,7 +130,7 @@ class Scheduler:
         self.ttft = Window(STATS_WINDOW_S)
         self.pending_events: list[TokenEvent] = []
         self.tool_samples: deque[float] = deque(maxlen=256)
-        self.counters = dict.fromkeys(("preemptions", "pins_broken", "finished", "aborted", "plans"), 0)
+        self.counters = dict.fromkeys(("preemptions", "pins_broken", "finished", "aborted", "failed", "plans"), 0)
 
     # ---------------------------------------------------------------- sessions and turns
     def open_session(self, session_id: str | None = None) -> str:
@@ -173,15 +174,18 @@ class Scheduler:
         self.q.push_waiting(req)
         return req.seq_id
 
-    def abort(self, seq_id: int, now: float | None = None) -> list[TokenEvent]:
+    def abort(self, seq_id: int, now: float | None = None, reason: Finish = Finish.ABORT) -> list[TokenEvent]:
+        """Stop a running request: now, or (plans in flight) when they are back. ``reason``: ABORT (asked
+        for) or ERROR (a step of it failed; wins over ABORT)."""
         now = self.clock() if now is None else now
         req = self.requests.get(seq_id)
         if req is None:
             return []
         if req.inflight:
-            req.abort_pending = True
+            if req.abort_as is not Finish.ERROR:
+                req.abort_as = reason
             return []
-        return [self._finish(req, Finish.ABORT, now)]
+        return [self._finish(req, reason, now)]
 
     def end_turn(self, seq_id: int, in_tool_call: bool, now: float | None = None) -> None:
         now = self.clock() if now is None else now
@@ -258,18 +262,18 @@ class Scheduler:
                 sr = sampled.get(req.seq_id)
                 if sr is None or sr.token_id < 0:
                     log.error("result of step %d has no token for seq %d", result.step, req.seq_id)
-                    events.append(self._finish(req, Finish.ABORT, now))
+                    events.append(self._finish(req, Finish.ERROR, now))
                     continue
                 events.append(self._append(req, sr.token_id, sr.finish, sr.logprob, now))
-            if req.abort_pending and req.state is not ReqState.FINISHED:
-                events.append(self._finish(req, Finish.ABORT, now))
+            if req.abort_as is not Finish.NONE and req.state is not ReqState.FINISHED:
+                events.append(self._finish(req, req.abort_as, now))
         return events
 
     def on_error(self, error: ExecError, now: float | None = None) -> list[TokenEvent]:
-        """The executor failed a step: its sequences are aborted (their lanes freed).
+        """The executor failed a step: its sequences finish with ``Finish.ERROR`` (their lanes freed).
 
         Plans queued behind the failed one still run on the executor and still report, so they stay
-        in flight (their requests finish as aborted when they land, and only then give up blocks);
+        in flight (their requests finish with ERROR too when they land, and only then give up blocks);
         a fatal error clears everything, the executor is going away.
         """
         now = self.clock() if now is None else now
@@ -285,14 +289,14 @@ class Scheduler:
                     if failed[-1].step == error.step:
                         break
                 for req, _, _, _ in (e for p in queue for e in p.entries):
-                    req.abort_pending = True
+                    req.abort_as = Finish.ERROR
             else:
                 continue
             for req, _, _, decode in (e for p in failed for e in p.entries):
                 if not self._landed(req, decode, now):
-                    events.append(self._finish(req, Finish.ABORT, now))
+                    events.append(self._finish(req, Finish.ERROR, now))
         for seq_id in error.seq_ids:
-            events += self.abort(seq_id, now)
+            events += self.abort(seq_id, now, Finish.ERROR)
         return events
 
     def cached_tokens(self, seq_id: int) -> int:
@@ -408,7 +412,7 @@ class Scheduler:
         had_kv = req.state is ReqState.DECODE
         req.state, req.finish = ReqState.FINISHED, reason
         del self.requests[req.seq_id]
-        self.counters["aborted" if reason is Finish.ABORT else "finished"] += 1
+        self.counters[_COUNTER.get(reason, "finished")] += 1
         session = req.session
         session.active = None
         session.tokens, session.hashes, session.keys = req.tokens, req.hashes, req.keys

@@ -92,6 +92,7 @@ class Server:
         self._poller.register(self.ingress.socket, zmq.POLLIN)
         self._poller.register(self.link.fileno(), zmq.POLLIN)
         self._next_stats = 0.0
+        self._step_error = ""  # the last failed step's message, for the turns it ends
 
     def _new_scheduler(self) -> Scheduler:
         assert self.link.ready is not None
@@ -135,6 +136,7 @@ class Server:
                 self._emit(self.sched.on_result(msg))
             elif isinstance(msg, ExecError):
                 log.warning("executor error at step %d: %s", msg.step, msg.message)
+                self._step_error = msg.message
                 self._emit(self.sched.on_error(msg))
             elif isinstance(msg, ExecutorDown):
                 self._executor_down(msg.reason)
@@ -168,7 +170,9 @@ class Server:
                 if turn.stopped_by_string and not ev.finished:
                     self._emit(self.sched.abort(ev.seq_id))  # now, or when its step is back
                     continue
-            if ev.finished:
+            if ev.finish is Finish.ERROR:
+                self._fail_step(rec)
+            elif ev.finished:
                 self._finish_turn(rec, ev.finish, ev.t)
 
     def _finish_turn(self, rec: SessionRecord, finish: Finish, t: float) -> None:
@@ -184,6 +188,14 @@ class Server:
         self.by_seq.pop(turn.seq_id, None)
         rec.last, rec.turn = turn, None
         self.publisher.on_turn_done(turn)
+
+    def _fail_step(self, rec: SessionRecord) -> None:
+        """A step of the turn failed (the executor lives on): the client gets ``executor_failed``, the
+        conversation stays as before the turn, and the scheduler is told the turn ended."""
+        seq_id = rec.turn.seq_id  # type: ignore[union-attr]
+        why = f"the executor failed a step of this turn ({self._step_error}); the session goes on without it"
+        self._fail_turn(rec, ErrorCode.EXECUTOR_FAILED, why)
+        self.sched.end_turn(seq_id, in_tool_call=False)
 
     def _fail_turn(self, rec: SessionRecord, code: ErrorCode, message: str) -> None:
         turn = rec.turn

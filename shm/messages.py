@@ -37,6 +37,7 @@ class Finish(enum.IntEnum):
     STOP = 1  # an eos or stop token id was sampled
     LENGTH = 2  # max_tokens reached
     ABORT = 3  # the orchestrator dropped it
+    ERROR = 4  # a step computing it failed (the orchestrator's verdict; the executor never reports it)
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

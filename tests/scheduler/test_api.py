@@ -291,14 +291,13 @@ def test_end_turn_while_in_flight_applies_when_the_step_returns():
     assert session.holds_blocks and session.pin_deadline > d.now and session.tool_started == d.now
 
 
-def test_executor_error_aborts_the_failed_step_and_frees_the_lane():
-    from agentserve.shm.messages import ExecError
-
+def test_executor_error_ends_the_failed_step_with_error_and_frees_the_lane():
     d = Driver("chunked")
     seq = d.sched.submit(d.sched.open_session(), [1, 2, 3], SamplingParams(max_tokens=9, ignore_eos=True))
     (plan,) = d.pump()
     events = d.sched.on_error(ExecError("boom", step=plan.step, seq_ids=[seq]), now=d.now)
-    assert [(e.seq_id, e.finish) for e in events] == [(seq, Finish.ABORT)]
+    assert [(e.seq_id, e.finish) for e in events] == [(seq, Finish.ERROR)]
+    assert d.sched.counters["failed"] == 1 and d.sched.counters["aborted"] == 0
     assert d.sched.idle() and d.sched.idle_lanes()
     d.sched.check()
 
@@ -337,7 +336,22 @@ def test_lookahead_plans_feed_the_last_sample_and_release_after_the_last_result(
     d.sched.check()
 
 
-def test_a_failed_step_with_a_plan_queued_behind_it_aborts_once_and_frees_after_both():
+def test_an_error_for_a_sequence_in_flight_wins_over_a_client_abort():
+    """An abort asked for while the sequence's plan runs, then an executor error naming it: it ends once,
+    with ERROR, when the plan is back."""
+    d = Driver("chunked")
+    seq = d.sched.submit(d.sched.open_session(), [1, 2, 3], SamplingParams(max_tokens=9, ignore_eos=True))
+    d.pump()
+    assert d.sched.abort(seq, d.now) == [], "in flight: the abort waits for the plan"
+    assert d.sched.on_error(ExecError("boom", step=-1, seq_ids=[seq]), d.now) == []
+    assert d.sched.abort(seq, d.now) == [], "a later client abort does not downgrade the error"
+    d.land()
+    assert [(e.seq_id, e.finish) for e in d.events if e.finished] == [(seq, Finish.ERROR)]
+    assert d.sched.counters["failed"] == 1 and d.sched.counters["aborted"] == 0
+    d.sched.check()
+
+
+def test_a_failed_step_with_a_plan_queued_behind_it_ends_once_and_frees_after_both():
     d = Driver(lookahead=1)
     sid = d.sched.open_session("a")
     seq = d.sched.submit(sid, list(range(10, 60)), SamplingParams(max_tokens=50, ignore_eos=True))
@@ -348,7 +362,7 @@ def test_a_failed_step_with_a_plan_queued_behind_it_aborts_once_and_frees_after_
     assert len(d.sched.lanes[Lane.DECODE]) == 2, "one decode plan running and one queued behind it"
     failed, behind = d.pending.pop(0), d.pending.pop(0)
     events = d.sched.on_error(ExecError("boom", failed.step, [seq]), d.now)
-    assert [(e.seq_id, e.finish) for e in events] == [(seq, Finish.ABORT)]
+    assert [(e.seq_id, e.finish) for e in events] == [(seq, Finish.ERROR)]
     assert d.sched.schedule(d.now) == [], "no Release while the queued plan may still write its blocks"
     d.now = behind.t_end
     assert d.sched.on_result(behind, d.now) == []  # lands quietly: the request already ended
