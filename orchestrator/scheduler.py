@@ -23,13 +23,15 @@ Public API (all ``now`` arguments default to ``clock()``):
   whole conversation (the cached part is kept up to the first differing block).  Returns the
   turn's ``seq_id``.  Raises ``ValueError`` for a prompt that can never fit, ``KeyError`` for an
   unknown session, ``RuntimeError`` when the session already runs a turn.
-- ``abort(seq_id, now=None) -> list[TokenEvent]`` — stop a turn (at once, or when its step returns).
+- ``abort(seq_id, now=None, reason=Finish.ABORT) -> list[TokenEvent]`` — stop a turn (at once, or when
+  its step returns); ``Finish.ERROR``: a step of it failed (wins over a pending ABORT).
 - ``end_turn(seq_id, in_tool_call, now=None)`` — the turn's output was parsed: in a tool call, the
   session's blocks stay pinned for a TTL learned from its tool latencies; otherwise released.
 - ``close_session(session_id, now=None) -> list[TokenEvent]`` — abort its turn, free its blocks.
 - ``schedule(now=None) -> list[Plan | Release]`` — a lane holds one Plan in flight (the decode lane up
   to ``1 + decode_lookahead`` while nothing waits to be prefilled); a Plan is in flight until its Result.
-- ``on_result(result, now=None) -> list[TokenEvent]``; ``on_error(error, now=None)`` likewise.
+- ``on_result(result, now=None) -> list[TokenEvent]``; ``on_error(error, now=None)`` likewise (the failed
+  plan's sequences, and those of plans queued behind it, end with ``Finish.ERROR``).
 - ``stats(now=None) -> dict`` — queues per class, rung, B_prefill, KV use, prefix hits, TPOT/TTFT.
 - ``take_events() -> list[TokenEvent]`` — events produced outside ``on_result`` (call after
   ``schedule``/``end_turn``; ``on_result`` also returns them first).

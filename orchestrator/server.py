@@ -170,7 +170,7 @@ class Server:
                 if turn.stopped_by_string and not ev.finished:
                     self._emit(self.sched.abort(ev.seq_id))  # now, or when its step is back
                     continue
-            if ev.finish is Finish.ERROR:
+            if ev.finish is Finish.ERROR and not turn.stopped_by_string:  # a stop string completed it
                 self._fail_step(rec)
             elif ev.finished:
                 self._finish_turn(rec, ev.finish, ev.t)
@@ -193,7 +193,7 @@ class Server:
         """A step of the turn failed (the executor lives on): the client gets ``executor_failed``, the
         conversation stays as before the turn, and the scheduler is told the turn ended."""
         seq_id = rec.turn.seq_id  # type: ignore[union-attr]
-        why = f"the executor failed a step of this turn ({self._step_error}); the session goes on without it"
+        why = f"the executor failed a step of this turn: {self._step_error or 'see the server log'}"
         self._fail_turn(rec, ErrorCode.EXECUTOR_FAILED, why)
         self.sched.end_turn(seq_id, in_tool_call=False)
 

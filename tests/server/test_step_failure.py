@@ -29,12 +29,16 @@ TOKEN = 65  # "A" in the byte-level vocabulary of the built-in models
 
 
 class FakeLink:
-    """An executor that samples ``TOKEN`` for every sequence a plan samples; while ``failing``, it fails
-    each plan instead (a step error: the executor lives on)."""
+    """An executor that samples ``TOKEN`` for every sequence a plan samples (``TOKEN + i`` for a sequence's
+    i-th token with ``counting``); while ``failing``, or for a sequence's ``fail_from``-th token on, it
+    fails the plan instead (a step error: the executor lives on)."""
 
     def __init__(self) -> None:
         self.ready = ready(256)
         self.failing = False
+        self.counting = False
+        self.fail_from: int | None = None
+        self.sampled: dict[int, int] = {}
         self.failed_steps: list[int] = []
         self._inbox: list[object] = []
         self._lock = threading.Lock()
@@ -46,12 +50,16 @@ class FakeLink:
     def send(self, msg: object) -> None:
         if not isinstance(msg, Plan):
             return  # Release: nothing to free here
-        if self.failing:
+        sampled = [sp.seq_id for sp in msg.seqs if sp.sample]
+        late = self.fail_from is not None and any(self.sampled.get(s, 0) + 1 >= self.fail_from for s in sampled)
+        if self.failing or late:
             self.failed_steps.append(msg.step)
             reply: object = ExecError("injected failure", step=msg.step)
         else:
+            for s in sampled:
+                self.sampled[s] = self.sampled.get(s, 0) + 1
             t = time.monotonic()
-            seqs = [SeqResult(sp.seq_id, TOKEN) for sp in msg.seqs if sp.sample]
+            seqs = [SeqResult(s, TOKEN + (self.sampled[s] - 1) * self.counting) for s in sampled]
             reply = Result(msg.step, msg.lane, msg.rung, seqs, t, t)
         with self._lock:
             self._inbox.append(reply)
@@ -106,3 +114,14 @@ def test_a_failed_step_ends_the_turn_with_executor_failed_and_the_session_goes_o
     assert link.failed_steps, "the failing turn reached the executor"
     assert server.sched.counters["failed"] == 1 and server.sched.counters["aborted"] == 0
     assert not server.sched.ended, "the scheduler was told the failed turn ended"
+
+
+def test_a_turn_a_stop_string_completed_ends_normally_though_a_step_queued_behind_fails(served) -> None:
+    """Tokens A, B, C, ...; the stop string "B" completes the turn at its 2nd token while the decode plan
+    queued behind (it would sample the 3rd) fails: the turn's text is whole, so it ends with TurnDone."""
+    endpoint, link, server = served
+    link.counting, link.fail_from = True, 3
+    with AgentClient(endpoint) as client, client.session(system="sys") as s:
+        got = s.turn("spell", max_tokens=8, ignore_eos=True, stop=["B"]).collect()
+        assert got.text == "A" and got.done is not None and got.done.finish == "stop"
+    assert link.failed_steps, "the plan queued behind the stop was sent and failed"
