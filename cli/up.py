@@ -26,6 +26,7 @@ from agentserve.orchestrator.policies import POLICIES
 from agentserve.orchestrator.protocol import Welcome
 from agentserve.orchestrator.server import ExecutorDownError, Server, ServerOptions
 from agentserve.orchestrator.stats_publisher import StatsPublisher
+from agentserve.orchestrator.step_trace import StepTrace
 from agentserve.orchestrator.tokenization import Tokenizer
 from agentserve.shm.errors import ShmError
 from agentserve.shm.segment import cleanup_stale
@@ -75,6 +76,8 @@ def _resolve_model(name: str, cache_dir: str) -> str:
 @click.option("--partition", type=click.Choice(["green-ctx", "cuda-streams", "cpu-cores"]), default=None)
 @click.option("--run", "run_name", default="default", show_default=True, help="Run name (`agentserve top --run`).")
 @click.option("--no-restart", is_flag=True, help="Exit instead of restarting a crashed executor.")
+@click.option("--trace-steps", type=click.Path(dir_okay=False), default=None,
+              help="Append one JSON line per executor step to this file (lane, rung, times, tokens, policy state).")
 @click.option("--log-level", default="INFO", show_default=True)
 @click.option("--log-json", is_flag=True, help="JSON log lines.")
 def up(**opts: Any) -> None:
@@ -126,8 +129,10 @@ def _up(opts: dict[str, Any]) -> int:
     tokenizer = Tokenizer.from_dir(model_dir)
     policy = sched_config.scheduler.policy
     ingress = Ingress(opts["endpoint"] or default_endpoint(run), allow_remote=opts["allow_remote"])
-    publisher = link = None
+    publisher = link = trace = None
     try:
+        if opts["trace_steps"]:  # before the model loads: a bad path fails at once
+            trace = StepTrace(opts["trace_steps"])
         publisher = StatsPublisher(
             run, ingress.endpoint, model_dir, sched_config.slo.tpot_target_ms, sched_config.slo.ttft_target_ms
         )
@@ -145,6 +150,7 @@ def _up(opts: dict[str, Any]) -> int:
         server = Server(
             ingress, link, tokenizer, ServerOptions(policy, sched_config, restart=not opts["no_restart"]), publisher
         )
+        server.trace = trace
         _on_signals(server.stop)
         gc.collect()
         gc.freeze()  # start-up objects never need scanning again: fewer long GC pauses in the loop
@@ -166,6 +172,8 @@ def _up(opts: dict[str, Any]) -> int:
             link.close()
         if publisher is not None:
             publisher.close()
+        if trace is not None:
+            trace.close()
         ingress.close()
 
 

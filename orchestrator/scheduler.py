@@ -379,13 +379,17 @@ class Scheduler:
             return None
         return self.ladder.full if self.ladder.full in rungs else rungs[-1]
 
+    def planned(self, lane: Lane, step: int) -> Inflight | None:
+        """The plan a result of ``step`` on ``lane`` answers, before it lands (None: no such plan next)."""
+        queue = self.lanes.get(lane)
+        return queue[0] if queue and queue[0].step == step else None
+
     def _land(self, lane: Lane, step: int) -> Inflight | None:
         """The plan this result answers; None (logged) for a result of no plan we still track."""
-        queue = self.lanes.get(lane)
-        if not queue or queue[0].step != step:
+        if self.planned(lane, step) is None:
             log.error("result for step %d on lane %s, which has no such plan next: ignored", step, lane.name)
             return None
-        return queue.popleft()
+        return self.lanes[lane].popleft()
 
     def _append(self, req: Request, token: int, finish: Finish, logprob: float, now: float) -> TokenEvent:
         req.tokens.append(token)

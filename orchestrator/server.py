@@ -43,6 +43,7 @@ from agentserve.orchestrator.protocol import (
 )
 from agentserve.orchestrator.scheduler import Scheduler
 from agentserve.orchestrator.stats_publisher import StatsPublisher
+from agentserve.orchestrator.step_trace import StepTrace
 from agentserve.orchestrator.tokenization import Tokenizer
 from agentserve.orchestrator.turn_stream import TurnStream
 from agentserve.shm.messages import ExecError, Finish, Result
@@ -81,6 +82,7 @@ class Server:
     clock: Callable[[], float] = time.monotonic
     sessions: dict[int, SessionRecord] = field(default_factory=dict)
     by_seq: dict[int, SessionRecord] = field(default_factory=dict)
+    trace: StepTrace | None = None  # --trace-steps
 
     def __post_init__(self) -> None:
         self.sched = self._new_scheduler()
@@ -133,6 +135,9 @@ class Server:
         for msg in msgs:
             if isinstance(msg, Result):
                 self.publisher.on_result(msg)
+                if self.trace is not None:
+                    plan = self.sched.planned(msg.lane, msg.step)
+                    self.trace.record(msg, plan.entries if plan else None, self.sched.policy.stats())
                 self._emit(self.sched.on_result(msg))
             elif isinstance(msg, ExecError):
                 log.warning("executor error at step %d: %s", msg.step, msg.message)

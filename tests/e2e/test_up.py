@@ -66,7 +66,9 @@ class UpServer:
         self.run = f"e2e{uuid.uuid4().hex[:6]}"
         self.sock = tmp / "as.sock"
         self.endpoint = f"ipc://{self.sock}"
+        self.trace = tmp / "steps.jsonl"
         cmd = ["agentserve", "up", "--model", "tiny", "--run", self.run, "--endpoint", self.endpoint]
+        cmd += ["--trace-steps", str(self.trace)]
         cmd += ["--dtype", "float32", "--num-blocks", "512", "--max-model-len", "2048"]
         self.log = open(tmp / "up.log", "w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
@@ -161,6 +163,8 @@ def test_four_agents_match_offline_generation(server: UpServer, reference) -> No
             reply = tok.decode(out, skip_special_tokens=False)
             conversation.append({"role": "assistant", "content": reply})
             said_text, said_tokens = text + reply, prompt + out
+    steps = [json.loads(line) for line in server.trace.read_text().splitlines()]
+    assert {s["lane"] for s in steps} == {"decode", "prefill"}, "--trace-steps wrote the steps of both lanes"
 
 
 def test_top_once_json_shows_sessions(server: UpServer) -> None:

@@ -1,0 +1,49 @@
+"""``agentserve up --trace-steps FILE``: one JSON line per executor step, for offline analysis.
+
+Each line describes a step as it lands (results arrive in plan order per lane)::
+
+    {"step": 812, "lane": "decode", "rung": 1, "start": 1234.56, "end": 1234.60, "ms": 41.2,
+     "gap_ms": 0.8, "seqs": 4, "decode_seqs": 3, "prefill_tokens": 16, "policy": {...}}
+
+``start`` / ``end`` are the executor's ``time.monotonic()`` (one clock for every process of the
+machine); ``seqs`` counts the plan's sequences, ``decode_seqs`` those fed one decode token,
+``prefill_tokens`` the prompt tokens of the others; ``policy`` is the scheduler policy's state when
+the step landed (for AgentServe: ``B_prefill``, the ``R_min`` rung, the controlled TPOT).
+Step times beside each other on the two lanes, and steps with prefill riding in decode, show where
+a TPOT or TTFT figure comes from (``scripts/`` analyses need nothing but ``json``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO
+
+from agentserve.shm.messages import Lane, Result
+
+
+class StepTrace:
+    """Appends step records to a file (line-buffered, so a killed server leaves whole lines)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self._file: IO[str] = self.path.open("a", buffering=1)
+        except OSError as e:
+            raise ValueError(f"cannot write the step trace {self.path}: {e.strerror}") from None
+
+    def record(self, result: Result, entries: list[tuple[object, int, bool, bool]] | None,
+               policy: dict[str, object]) -> None:
+        """One landed step; ``entries`` are the plan's (request, tokens, sample, decode) rows, if known."""
+        entries = entries or []
+        decode = sum(1 for e in entries if e[3])
+        line = {
+            "step": result.step, "lane": Lane(result.lane).name.lower(), "rung": result.rung,
+            "start": result.t_start, "end": result.t_end, "ms": round((result.t_end - result.t_start) * 1e3, 3),
+            "gap_ms": round(result.gap_ms, 3), "seqs": len(entries), "decode_seqs": decode,
+            "prefill_tokens": sum(e[1] for e in entries if not e[3]), "policy": policy,
+        }
+        self._file.write(json.dumps(line, default=str) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

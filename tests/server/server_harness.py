@@ -1,0 +1,102 @@
+"""A server loop for tests: the real ZeroMQ ingress, scheduler, tokenizer and stats board, against a fake
+executor link that answers every plan at once (or fails it on request)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from agentserve.executor.builtin import resolve_model
+from agentserve.orchestrator.config import SchedulerConfig
+from agentserve.orchestrator.ingress import Ingress
+from agentserve.orchestrator.server import Server, ServerOptions
+from agentserve.orchestrator.sim_executor import ready
+from agentserve.orchestrator.stats_publisher import StatsPublisher
+from agentserve.orchestrator.step_trace import StepTrace
+from agentserve.orchestrator.tokenization import Tokenizer
+from agentserve.shm.messages import ExecError, Plan, Result, SeqResult
+
+TOKEN = 65  # "A" in the byte-level vocabulary of the built-in models
+
+
+class FakeLink:
+    """An executor that samples ``TOKEN`` for every sequence a plan samples (``TOKEN + i`` for a sequence's
+    i-th token with ``counting``); while ``failing``, or for a sequence's ``fail_from``-th token on, it
+    fails the plan instead (a step error: the executor lives on)."""
+
+    def __init__(self) -> None:
+        self.ready = ready(256)
+        self.failing = False
+        self.counting = False
+        self.fail_from: int | None = None
+        self.sampled: dict[int, int] = {}
+        self.failed_steps: list[int] = []
+        self.plans: list[Plan] = []
+        self._inbox: list[object] = []
+        self._lock = threading.Lock()
+        self._r, self._w = os.pipe()
+
+    def fileno(self) -> int:
+        return self._r
+
+    def send(self, msg: object) -> None:
+        if not isinstance(msg, Plan):
+            return  # Release: nothing to free here
+        self.plans.append(msg)
+        sampled = [sp.seq_id for sp in msg.seqs if sp.sample]
+        late = self.fail_from is not None and any(self.sampled.get(s, 0) + 1 >= self.fail_from for s in sampled)
+        if self.failing or late:
+            self.failed_steps.append(msg.step)
+            reply: object = ExecError("injected failure", step=msg.step)
+        else:
+            for s in sampled:
+                self.sampled[s] = self.sampled.get(s, 0) + 1
+            t = time.monotonic()
+            seqs = [SeqResult(s, TOKEN + (self.sampled[s] - 1) * self.counting) for s in sampled]
+            reply = Result(msg.step, msg.lane, msg.rung, seqs, t, t)
+        with self._lock:
+            self._inbox.append(reply)
+        os.write(self._w, b"x")
+
+    def drain(self) -> list[object]:
+        os.read(self._r, 4096)
+        with self._lock:
+            out, self._inbox = self._inbox, []
+        return out
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        return 0
+
+    def close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
+@contextlib.contextmanager
+def serving(tmp_path: Path, trace: StepTrace | None = None) -> Iterator[tuple[str, FakeLink, Server]]:
+    """A served endpoint (its loop on a thread), the fake link and the server; stopped and cleaned up on exit."""
+    run = f"t{uuid.uuid4().hex[:8]}"
+    endpoint = f"ipc://{tmp_path}/ingress.sock"
+    link = FakeLink()
+    ingress = Ingress(endpoint)
+    publisher = StatsPublisher(run, endpoint, "tiny", 50.0, 2000.0)
+    tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
+    options = ServerOptions("agentserve", SchedulerConfig())
+    server = Server(ingress, link, tokenizer, options, publisher, trace=trace)  # type: ignore[arg-type]
+    loop = threading.Thread(target=server.serve, name="server-loop")
+    loop.start()
+    try:
+        yield endpoint, link, server
+    finally:
+        server.stop()
+        loop.join(10)
+        ingress.close()
+        publisher.close()
+        link.close()
+        if trace is not None:
+            trace.close()
