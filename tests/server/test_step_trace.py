@@ -32,3 +32,34 @@ def test_each_landed_step_is_one_line_describing_its_plan(tmp_path) -> None:
 def test_an_unwritable_trace_path_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(ValueError, match="cannot write the step trace"):
         StepTrace(tmp_path / "no" / "such" / "dir" / "steps.jsonl")
+
+
+def _summary_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "scripts" / "step_trace_summary.py"
+    spec = importlib.util.spec_from_file_location("step_trace_summary", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summary_groups_decode_steps_by_what_ran_beside_them() -> None:
+    def step(lane, start, ms, decode=0, prefill=0, rung=1):
+        return {"lane": lane, "rung": rung, "start": start, "end": start + ms / 1e3, "ms": ms,
+                "gap_ms": 0.5, "decode_seqs": decode, "prefill_tokens": prefill}
+
+    steps = [
+        step("decode", 0.0, 40, decode=4), step("decode", 0.05, 42, decode=4),  # alone
+        step("prefill", 0.10, 500, prefill=512),  # a cold chunk ...
+        step("decode", 0.11, 60, decode=3), step("decode", 0.18, 140, decode=3, prefill=16),  # ... beside these
+        step("prefill", 1.0, 80, prefill=56), step("decode", 1.01, 30, decode=2),  # a resume beside
+    ]
+    rows = _summary_module().summarise(steps)
+    table = {tuple(r.split()[:-4]): r.split()[-4:] for r in rows[1:] if r.split()[0].isdigit()}
+    assert table[("1", "4", "-", "none")] == ["2", "41.0", "42.0", "42.0"]
+    assert table[("1", "3", "-", "long")][:2] == ["1", "60.0"]
+    assert table[("1", "3", "+prefill", "long")][:2] == ["1", "140.0"]
+    assert table[("1", "2", "-", "short")][:2] == ["1", "30.0"]
+    assert any("long steps: 1, median 500 ms" in r for r in rows)

@@ -1,0 +1,68 @@
+"""Summarise an ``agentserve up --trace-steps`` file: where decode step time goes.
+
+    python scripts/step_trace_summary.py steps.jsonl
+
+Groups decode-lane steps by rung, batch size (sequences, 4+ pooled), whether prefill tokens rode in the
+step, and what ran beside it on the prefill lane (nothing / a short prefill / a long one), and prints the
+median / p90 / max step time of each group; then the prefill lane's steps by size, and the decode lane's
+idle gaps. A TPOT figure is mostly these step times: this shows which kind of step sets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+LONG_PREFILL = 256  # prefill tokens from which a step beside decode counts as a long (cold-sized) one
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def beside(step: dict, prefill_steps: list[dict]) -> str:
+    """What the prefill lane ran while ``step`` ran: none, short or long (by its prefill tokens)."""
+    over = [p for p in prefill_steps if p["start"] < step["end"] and p["end"] > step["start"]]
+    if not over:
+        return "none"
+    return "long" if max(p["prefill_tokens"] for p in over) >= LONG_PREFILL else "short"
+
+
+def summarise(steps: list[dict]) -> list[str]:
+    decode = [s for s in steps if s["lane"] == "decode" and s["decode_seqs"]]
+    prefill = [s for s in steps if s["lane"] == "prefill"]
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for s in decode:
+        key = (s["rung"], min(s["decode_seqs"], 4), "+prefill" if s["prefill_tokens"] else "-", beside(s, prefill))
+        groups[key].append(s["ms"])
+    out = [f"{'rung':>4} {'seqs':>4} {'mixed':>8} {'beside':>6} {'steps':>6} {'median':>8} {'p90':>8} {'max':>8}"]
+    for (rung, seqs, mixed, near), ms in sorted(groups.items()):
+        out.append(f"{rung:>4} {seqs:>4} {mixed:>8} {near:>6} {len(ms):>6} {statistics.median(ms):>8.1f} "
+                   f"{quantile(ms, 0.9):>8.1f} {max(ms):>8.1f}")
+    for label, part in (("short", [s for s in prefill if s["prefill_tokens"] < LONG_PREFILL]),
+                        ("long", [s for s in prefill if s["prefill_tokens"] >= LONG_PREFILL])):
+        if part:
+            ms = [s["ms"] for s in part]
+            out.append(f"prefill lane, {label} steps: {len(ms)}, median {statistics.median(ms):.0f} ms, "
+                       f"p90 {quantile(ms, 0.9):.0f} ms")
+    gaps = [s["gap_ms"] for s in steps if s["lane"] == "decode"]
+    if gaps:
+        out.append(f"decode lane idle before a step: median {statistics.median(gaps):.1f} ms, "
+                   f"p99 {quantile(gaps, 0.99):.1f} ms, max {max(gaps):.0f} ms")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", help="a file written by agentserve up --trace-steps")
+    args = ap.parse_args()
+    with open(args.trace) as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    print("\n".join(summarise(steps)) if steps else "no steps in the trace")
+
+
+if __name__ == "__main__":
+    main()
