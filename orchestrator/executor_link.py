@@ -7,7 +7,9 @@ If the executor dies, the reader's wait raises ``PeerDied`` within a second and 
 an :class:`ExecutorDown` in the same queue.
 
 Each (re)start uses a fresh ring pair (``exec<N>``), so a restart never reads a half-written
-message of the dead process.  Nothing here imports torch.
+message of the dead process.  :meth:`ExecutorLink.restart` loads the new executor on a thread and
+reports :class:`Restarted` (or :class:`RestartFailed`) through the same queue, so the loop keeps
+answering clients while the model loads.  Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -34,6 +36,20 @@ log = logging.getLogger("agentserve.orchestrator.executor")
 
 class ExecutorStartError(RuntimeError):
     """The executor could not be started or failed before it was ready."""
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """Not a ring message: a :meth:`ExecutorLink.restart` finished; the new executor is ready."""
+
+    ready: Ready
+
+
+@dataclass(frozen=True)
+class RestartFailed:
+    """Not a ring message: a :meth:`ExecutorLink.restart` could not bring an executor up."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,9 @@ class ExecutorLink:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._reader: threading.Thread | None = None
+        self._starter: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self._loading = False  # spawned, not ready yet: it does not read the plan ring
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout: float = 600.0, progress: Callable[[float], None] | None = None) -> Ready:
@@ -81,17 +100,35 @@ class ExecutorLink:
         # its own session: a Ctrl-C in the terminal reaches only the orchestrator, which stops it in order
         self.proc = subprocess.Popen(self.spec.command(role), stdin=subprocess.DEVNULL, start_new_session=True)
         self.pair.expect_peer(self.proc.pid)
+        self._loading = True
         self.ready = self._await_ready(timeout, progress)
+        self._loading = False
         if self.ready.wire_version != WIRE_VERSION:
             raise ExecutorStartError(f"executor speaks ring protocol {self.ready.wire_version}, not {WIRE_VERSION}")
         self._reader = threading.Thread(target=self._read, args=(self.pair,), name="result-reader", daemon=True)
         self._reader.start()
         return self.ready
 
+    def restart(self, timeout: float = 600.0) -> None:
+        """:meth:`start` on a thread; its outcome arrives through :meth:`drain` as ``Restarted`` or
+        ``RestartFailed``.  :meth:`stop` cancels a restart still loading."""
+        self._starter = threading.Thread(target=self._restart, args=(timeout,), name="executor-restart",
+                                         daemon=True)
+        self._starter.start()
+
+    def _restart(self, timeout: float) -> None:
+        try:
+            msg: object = Restarted(self.start(timeout))
+        except (ExecutorStartError, ShmError, OSError) as e:
+            msg = RestartFailed(str(e))
+        self._post(msg)
+
     def _await_ready(self, timeout: float, progress: Callable[[float], None] | None) -> Ready:
         t0 = time.monotonic()
         assert self.pair is not None and self.proc is not None
         while time.monotonic() - t0 < timeout:
+            if self._cancel.is_set():
+                raise ExecutorStartError("start cancelled: the orchestrator is stopping")
             try:
                 msg = self.pair.recv(timeout=0.25)
             except TimeoutError:
@@ -110,7 +147,14 @@ class ExecutorLink:
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """Ask the executor to shut down, wait, and release the rings; returns its exit code."""
+        if self._starter is not None:  # a restart still loading gives up within one poll
+            self._cancel.set()
+            self._starter.join()
+            self._starter = None
+            self._cancel.clear()
         code = None
+        if self.proc is not None and self._loading and self.proc.poll() is None:
+            self.proc.kill()  # still loading: it would not read a Shutdown
         if self.proc is not None:
             if self.proc.poll() is None and self.pair is not None:
                 try:
@@ -122,7 +166,7 @@ class ExecutorLink:
             self.pair.close()  # wakes the reader thread with RingClosed
         if self._reader is not None:
             self._reader.join(timeout=2.0)
-        self.pair, self.proc, self._reader = None, None, None
+        self.pair, self.proc, self._reader, self._loading = None, None, None, False
         return code
 
     def _reap(self, timeout: float) -> int:
@@ -169,8 +213,11 @@ class ExecutorLink:
                 return
             except ShmError as e:
                 msg = ExecutorDown(f"result ring failed: {e}")
-            self.inbox.put(msg)
-            with contextlib.suppress(BlockingIOError):  # a full pipe already holds a wake-up
-                os.write(self._wake_w, b"\0")
+            self._post(msg)
             if isinstance(msg, ExecutorDown):
                 return
+
+    def _post(self, msg: object) -> None:
+        self.inbox.put(msg)
+        with contextlib.suppress(BlockingIOError):  # a full pipe already holds a wake-up
+            os.write(self._wake_w, b"\0")

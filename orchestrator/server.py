@@ -27,7 +27,13 @@ import zmq
 from agentserve.orchestrator.config import SchedulerConfig
 from agentserve.orchestrator.conversation import Conversation
 from agentserve.orchestrator.events import TokenEvent as SchedEvent
-from agentserve.orchestrator.executor_link import ExecutorDown, ExecutorLink
+from agentserve.orchestrator.executor_link import (
+    ExecutorDown,
+    ExecutorLink,
+    ExecutorStartError,
+    Restarted,
+    RestartFailed,
+)
 from agentserve.orchestrator.ingress import ClientGone, Ingress
 from agentserve.orchestrator.protocol import (
     Abort,
@@ -95,6 +101,7 @@ class Server:
         self._poller.register(self.link.fileno(), zmq.POLLIN)
         self._next_stats = 0.0
         self._step_error = ""  # the last failed step's message, for the turns it ends
+        self.restarting = False  # the executor is loading again after a crash
 
     def _new_scheduler(self) -> Scheduler:
         assert self.link.ready is not None
@@ -119,8 +126,9 @@ class Server:
         for client, msg in self.ingress.poll(0):
             self._on_client(client, msg)
         self._emit(self.sched.take_events())
-        for msg in self.sched.schedule():
-            self.link.send(msg)
+        if not self.restarting:
+            for msg in self.sched.schedule():
+                self.link.send(msg)
         now = self.clock()
         if now >= self._next_stats:
             self._next_stats = now + self.options.stats_interval_s
@@ -146,6 +154,13 @@ class Server:
             elif isinstance(msg, ExecutorDown):
                 self._executor_down(msg.reason)
                 return
+            elif isinstance(msg, Restarted):
+                self.sched = self._new_scheduler()  # the new executor's Ready (its KV size may differ)
+                self.restarting = False
+                log.info("executor restarted: serving again")
+            elif isinstance(msg, RestartFailed):
+                self._running = False
+                raise ExecutorStartError(f"the executor could not be restarted: {msg.reason}")
 
     def _executor_down(self, reason: str) -> None:
         log.error("%s", reason)
@@ -159,8 +174,9 @@ class Server:
             self._running = False
             raise ExecutorDownError(reason)
         log.info("restarting the executor")
-        self.link.start()
-        self.sched = self._new_scheduler()
+        self.restarting = True  # turns are refused until Restarted; everything else is served
+        self.sched = self._new_scheduler()  # empty meanwhile: nothing is planned or sent
+        self.link.restart()
 
     def _emit(self, events: list[SchedEvent]) -> None:
         for ev in events:
@@ -255,6 +271,9 @@ class Server:
                 msg.req,
                 rec.session,
             )
+        if self.restarting:
+            why = "the executor is restarting after a crash; retry shortly"
+            raise ProtocolError(ErrorCode.EXECUTOR_FAILED, why, msg.req, rec.session)
         if msg.token_ids and max(msg.token_ids) >= self.vocab_size:
             raise ProtocolError(
                 ErrorCode.INVALID_REQUEST,

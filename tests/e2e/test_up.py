@@ -293,7 +293,7 @@ def test_executor_crash_is_reported_and_recovered(server: UpServer) -> None:
                 assert time.monotonic() < deadline
                 time.sleep(0.5)
         assert again.done is not None and len(again.token_ids) == 4 and first.done is not None
-    assert "restarting the executor" in server.logs()
+    assert "restarting the executor" in server.logs() and "executor restarted: serving again" in server.logs()
 
 
 def test_sigterm_exits_zero_and_leaves_nothing(server: UpServer) -> None:

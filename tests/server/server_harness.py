@@ -36,6 +36,7 @@ class FakeLink:
         self.fail_from: int | None = None
         self.sampled: dict[int, int] = {}
         self.failed_steps: list[int] = []
+        self.restarts = 0
         self.plans: list[Plan] = []
         self._inbox: list[object] = []
         self._lock = threading.Lock()
@@ -59,9 +60,16 @@ class FakeLink:
             t = time.monotonic()
             seqs = [SeqResult(s, TOKEN + (self.sampled[s] - 1) * self.counting) for s in sampled]
             reply = Result(msg.step, msg.lane, msg.rung, seqs, t, t)
+        self.post(reply)
+
+    def post(self, msg: object) -> None:
+        """Deliver ``msg`` to the server as if the executor side had sent it."""
         with self._lock:
-            self._inbox.append(reply)
+            self._inbox.append(msg)
         os.write(self._w, b"x")
+
+    def restart(self, timeout: float = 600.0) -> None:
+        self.restarts += 1  # the test posts Restarted (or RestartFailed) when it wants
 
     def drain(self) -> list[object]:
         os.read(self._r, 4096)

@@ -1,0 +1,55 @@
+"""ExecutorLink.restart loads an executor on a thread and reports through the queue; stop() cancels a
+restart that is still loading (the loading process is killed, its rings removed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from agentserve.executor.builtin import resolve_model
+from agentserve.orchestrator.executor_link import ExecutorLink, ExecutorSpec, Restarted, RestartFailed
+
+
+def _link() -> ExecutorLink:
+    spec = ExecutorSpec(f"t{uuid.uuid4().hex[:8]}", str(resolve_model("tiny")), ["--dtype", "float32",
+                                                                               "--num-blocks", "64"])
+    return ExecutorLink(spec)
+
+
+def _ours(run: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if run in n]
+
+
+def test_restart_reports_ready_through_the_queue() -> None:
+    link = _link()
+    try:
+        link.restart()
+        deadline = time.monotonic() + 120
+        got: list[object] = []
+        while not got:
+            assert time.monotonic() < deadline, "no Restarted within 120 s"
+            time.sleep(0.05)
+            got = link.drain()
+        (msg,) = got
+        assert isinstance(msg, Restarted) and msg.ready is link.ready and link.ready.num_blocks == 64
+    finally:
+        link.close()
+    assert not _ours(link.spec.run)
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.3])  # before the thread spawned it / while it imports torch
+def test_stop_cancels_a_restart_still_loading(after_s: float) -> None:
+    link = _link()
+    link.restart()
+    time.sleep(after_s)
+    link.stop()
+    alive = subprocess.run(["pgrep", "-f", link.spec.run], capture_output=True, text=True).stdout.split()
+    assert not alive, "the loading executor was left running"
+    (msg,) = link.drain()
+    assert isinstance(msg, RestartFailed) and "cancelled" in msg.reason
+    link.close()
+    assert not _ours(link.spec.run)
