@@ -94,6 +94,11 @@ class ExecutorLink:
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout: float = 600.0, progress: Callable[[float], None] | None = None) -> Ready:
         """Spawn a fresh executor on fresh rings and wait for its ``Ready``."""
+        ready = self._launch(timeout, progress)
+        self._start_reader()
+        return ready
+
+    def _launch(self, timeout: float, progress: Callable[[float], None] | None) -> Ready:
         self.generation += 1
         role = f"exec{self.generation}"
         self.pair = RingPair.create(self.spec.run, role)
@@ -105,9 +110,11 @@ class ExecutorLink:
         self._loading = False
         if self.ready.wire_version != WIRE_VERSION:
             raise ExecutorStartError(f"executor speaks ring protocol {self.ready.wire_version}, not {WIRE_VERSION}")
+        return self.ready
+
+    def _start_reader(self) -> None:
         self._reader = threading.Thread(target=self._read, args=(self.pair,), name="result-reader", daemon=True)
         self._reader.start()
-        return self.ready
 
     def restart(self, timeout: float = 600.0) -> None:
         """:meth:`start` on a thread; its outcome arrives through :meth:`drain` as ``Restarted`` or
@@ -118,10 +125,12 @@ class ExecutorLink:
 
     def _restart(self, timeout: float) -> None:
         try:
-            msg: object = Restarted(self.start(timeout))
-        except (ExecutorStartError, ShmError, OSError) as e:
-            msg = RestartFailed(str(e))
-        self._post(msg)
+            ready = self._launch(timeout, None)
+        except Exception as e:  # noqa: BLE001 - whatever it was, the loop must hear that the restart failed
+            self._post(RestartFailed(f"{type(e).__name__}: {e}" if not isinstance(e, ExecutorStartError) else str(e)))
+            return
+        self._post(Restarted(ready))  # before the reader can post an ExecutorDown of this executor
+        self._start_reader()
 
     def _await_ready(self, timeout: float, progress: Callable[[float], None] | None) -> Ready:
         t0 = time.monotonic()

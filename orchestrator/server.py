@@ -143,9 +143,9 @@ class Server:
         for msg in msgs:
             if isinstance(msg, Result):
                 self.publisher.on_result(msg)
-                if self.trace is not None:
-                    plan = self.sched.planned(msg.lane, msg.step)
-                    self.trace.record(msg, plan.entries if plan else None, self.sched.policy.stats())
+                plan = self.sched.planned(msg.lane, msg.step) if self.trace is not None else None
+                if plan is not None:  # (a result of no plan we track is logged by the scheduler)
+                    self.trace.record(msg, plan.entries, self.sched.policy.stats())  # type: ignore[union-attr]
                 self._emit(self.sched.on_result(msg))
             elif isinstance(msg, ExecError):
                 log.warning("executor error at step %d: %s", msg.step, msg.message)

@@ -15,11 +15,15 @@ a TPOT or TTFT figure comes from (``scripts/`` analyses need nothing but ``json`
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from pathlib import Path
 from typing import IO
 
 from agentserve.shm.messages import Lane, Result
+
+log = logging.getLogger(__name__)
 
 
 class StepTrace:
@@ -32,10 +36,12 @@ class StepTrace:
         except OSError as e:
             raise ValueError(f"cannot write the step trace {self.path}: {e.strerror}") from None
 
-    def record(self, result: Result, entries: list[tuple[object, int, bool, bool]] | None,
-               policy: dict[str, object]) -> None:
-        """One landed step; ``entries`` are the plan's (request, tokens, sample, decode) rows, if known."""
-        entries = entries or []
+    def record(self, result: Result, entries: list[tuple[object, int, bool, bool]], policy: dict[str, object]) -> None:
+        """One landed step; ``entries`` are its plan's (request, tokens, sample, decode) rows.
+
+        A failed write (disk full) stops the trace with one error in the log; serving goes on."""
+        if self._file.closed:
+            return
         decode = sum(1 for e in entries if e[3])
         line = {
             "step": result.step, "lane": Lane(result.lane).name.lower(), "rung": result.rung,
@@ -43,7 +49,12 @@ class StepTrace:
             "gap_ms": round(result.gap_ms, 3), "seqs": len(entries), "decode_seqs": decode,
             "prefill_tokens": sum(e[1] for e in entries if not e[3]), "policy": policy,
         }
-        self._file.write(json.dumps(line, default=str) + "\n")
+        try:
+            self._file.write(json.dumps(line, default=str) + "\n")
+        except OSError as e:
+            log.error("step trace %s stopped: %s", self.path, e)
+            self.close()
 
     def close(self) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):  # what a full disk kept in the buffer is lost
+            self._file.close()

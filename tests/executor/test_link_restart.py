@@ -53,3 +53,17 @@ def test_stop_cancels_a_restart_still_loading(after_s: float) -> None:
     assert isinstance(msg, RestartFailed) and "cancelled" in msg.reason
     link.close()
     assert not _ours(link.spec.run)
+
+
+def test_any_failure_of_a_restart_is_reported(monkeypatch) -> None:
+    link = _link()
+
+    def boom(timeout, progress):
+        raise RuntimeError("unexpected")
+
+    monkeypatch.setattr(link, "_launch", boom)
+    link.restart()
+    link._starter.join(10)
+    (msg,) = link.drain()
+    assert isinstance(msg, RestartFailed) and msg.reason == "RuntimeError: unexpected"
+    link.close()

@@ -63,3 +63,15 @@ def test_summary_groups_decode_steps_by_what_ran_beside_them() -> None:
     assert table[("1", "3", "+prefill", "long")][:2] == ["1", "140.0"]
     assert table[("1", "2", "-", "short")][:2] == ["1", "30.0"]
     assert any("long steps: 1, median 500 ms" in r for r in rows)
+
+
+def test_a_failing_trace_write_stops_the_trace_not_the_server(caplog) -> None:
+    from agentserve.shm.messages import Lane, Result
+
+    trace = StepTrace("/dev/full")  # every write fails with ENOSPC
+    result = Result(1, Lane.DECODE, 0, [], 1.0, 1.01)
+    trace.record(result, [], {"policy": "x"})
+    trace.record(result, [], {"policy": "x"})  # silently off now
+    trace.close()
+    assert [r.getMessage() for r in caplog.records].count("step trace /dev/full stopped: [Errno 28] No space "
+                                                         "left on device") == 1
