@@ -50,7 +50,8 @@ def per_repeat_ratios(runs: dict[str, list[RunRecord]], slo: SLO) -> list[dict[s
     for repeat in zip(*runs.values(), strict=True):
         figs = {name: aggregate(run, slo) for name, run in zip(runs, repeat, strict=True)}
         ref = figs[reporting.reference_of(figs)]
-        out.append({name: {k: reporting.ratios(f, ref)[k] for k in keys} for name, f in figs.items()})
+        ratios = {name: reporting.ratios(f, ref) for name, f in figs.items()}
+        out.append({name: {k: r[k] for k in keys} for name, r in ratios.items()})
     return out
 
 

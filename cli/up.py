@@ -148,9 +148,9 @@ def _up(opts: dict[str, Any]) -> int:
             0, 0, server="agentserve", model=model_dir, max_model_len=ready.max_model_len, run=run, pid=os.getpid()
         )
         server = Server(
-            ingress, link, tokenizer, ServerOptions(policy, sched_config, restart=not opts["no_restart"]), publisher
+            ingress, link, tokenizer, ServerOptions(policy, sched_config, restart=not opts["no_restart"]), publisher,
+            trace=trace,
         )
-        server.trace = trace
         _on_signals(server.stop)
         gc.collect()
         gc.freeze()  # start-up objects never need scanning again: fewer long GC pauses in the loop

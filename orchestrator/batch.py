@@ -48,7 +48,7 @@ class Batch:
 
     def decode(self, req: Request) -> bool:
         """Add one decode token of ``req``; False if it cannot run this step."""
-        if len(self.seqs) >= self.max_seqs or req.state is not ReqState.DECODE or req.seq_id in self.in_batch:
+        if self.full or req.state is not ReqState.DECODE or req.seq_id in self.in_batch:
             return False
         ahead = req.ahead
         if req.inflight != ahead:  # in flight in a prefill step: wait for it; only decodes may run ahead

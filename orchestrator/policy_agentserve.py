@@ -58,18 +58,26 @@ class AgentServe(Policy):
         head = q.head(Phase.COLD)
         return head is not None and not head.inflight and now - head.queued_since > self.config.guard.starvation_s
 
+    def _pos(self, starving: bool) -> int:
+        """The controller's position on the ladder, capped by the starvation guard."""
+        return min(self.ctl.pos, self.guard_pos) if starving else self.ctl.pos
+
+    def _wanted_rung(self, q: Queues, starving: bool) -> int:
+        """Decode's rung while no prefill step holds a partition: the full rung if no cold prefill exists
+        (at most resumes beside it, at low priority), else the controller's rung."""
+        cold = q.waiting[Phase.COLD] or q.prefilling[Phase.COLD]
+        if self.config.scheduler.decode_full_rung_when_idle and not cold:
+            return self.ladder.full
+        return self.ladder.control[self._pos(starving)]
+
     def decode_rung(self, q: Queues, starving: bool, prefill_rung: int | None) -> int:
         """The decode lane's rung, given the rung the prefill lane holds (``None``: idle)."""
-        full = self.ladder.full
-        cold = q.waiting[Phase.COLD] or q.prefilling[Phase.COLD]
-        if self.config.scheduler.decode_full_rung_when_idle and prefill_rung in (None, full) and not cold:
-            return full  # no cold prefill: at most resumes beside it on the full rung, at low priority
-        pos = min(self.ctl.pos, self.guard_pos) if starving else self.ctl.pos
-        rung = self.ladder.control[pos]
-        if rung == full and prefill_rung not in (None, full):
-            # a prefill step still holds its partition at normal priority: move up when it is back
-            rung = self.ladder.control[max(0, pos - 1)]
-        return rung
+        full, control = self.ladder.full, self.ladder.control
+        if prefill_rung in (None, full):
+            return self._wanted_rung(q, starving)
+        pos = self._pos(starving)
+        # a prefill step still holds its partition at normal priority: move up to the full rung when it is back
+        return control[max(0, pos - 1)] if control[pos] == full else control[pos]
 
     def fill(self, lane: Lane, batch: Batch, q: Queues, now: float, other_rung: int | None):
         starving = self.starving(q, now)
@@ -90,7 +98,7 @@ class AgentServe(Policy):
         full = self.ladder.full
         if decode_rung is None and not q.decoding:
             return full  # nothing to decode: the prefill takes the whole device
-        headed = self.decode_rung(q, starving, full)  # where decode goes while this prefill step runs
+        headed = self._wanted_rung(q, starving)  # where decode goes while this prefill step runs
         return headed if decode_rung is None or headed == full else decode_rung
 
     def add_resumes(self, batch: Batch, q: Queues, budget: int, admit_new: bool) -> int:

@@ -52,7 +52,7 @@ from agentserve.orchestrator.stats_publisher import StatsPublisher
 from agentserve.orchestrator.step_trace import StepTrace
 from agentserve.orchestrator.tokenization import Tokenizer
 from agentserve.orchestrator.turn_stream import TurnStream
-from agentserve.shm.messages import ExecError, Finish, Result
+from agentserve.shm.messages import ExecError, Finish, Ready, Result
 
 log = logging.getLogger("agentserve.orchestrator")
 
@@ -91,7 +91,7 @@ class Server:
     trace: StepTrace | None = None  # --trace-steps
 
     def __post_init__(self) -> None:
-        self.sched = self._new_scheduler()
+        self.sched = self._new_scheduler(self.link.ready)
         self.stop_token_ids = frozenset(self.link.ready.eos_token_ids) if self.link.ready else frozenset()
         self.vocab_size = self.link.ready.vocab_size if self.link.ready else 0
         self._next_session = 1
@@ -103,9 +103,9 @@ class Server:
         self._step_error = ""  # the last failed step's message, for the turns it ends
         self.restarting = False  # the executor is loading again after a crash
 
-    def _new_scheduler(self) -> Scheduler:
-        assert self.link.ready is not None
-        return Scheduler(self.options.policy, self.link.ready, self.options.scheduler_config, clock=self.clock)
+    def _new_scheduler(self, ready: Ready | None) -> Scheduler:
+        assert ready is not None
+        return Scheduler(self.options.policy, ready, self.options.scheduler_config, clock=self.clock)
 
     # ---- the loop ----------------------------------------------------------------------------
     def stop(self) -> None:
@@ -126,9 +126,8 @@ class Server:
         for client, msg in self.ingress.poll(0):
             self._on_client(client, msg)
         self._emit(self.sched.take_events())
-        if not self.restarting:
-            for msg in self.sched.schedule():
-                self.link.send(msg)
+        for msg in self.sched.schedule():  # while restarting: an empty scheduler, turns refused, nothing to send
+            self.link.send(msg)
         now = self.clock()
         if now >= self._next_stats:
             self._next_stats = now + self.options.stats_interval_s
@@ -143,9 +142,8 @@ class Server:
         for msg in msgs:
             if isinstance(msg, Result):
                 self.publisher.on_result(msg)
-                plan = self.sched.planned(msg.lane, msg.step) if self.trace is not None else None
-                if plan is not None:  # (a result of no plan we track is logged by the scheduler)
-                    self.trace.record(msg, plan.entries, self.sched.policy.stats())  # type: ignore[union-attr]
+                if self.trace is not None and (plan := self.sched.planned(msg.lane, msg.step)) is not None:
+                    self.trace.record(msg, plan.entries, self.sched.policy.stats())  # (untracked: logged on landing)
                 self._emit(self.sched.on_result(msg))
             elif isinstance(msg, ExecError):
                 log.warning("executor error at step %d: %s", msg.step, msg.message)
@@ -155,7 +153,7 @@ class Server:
                 self._executor_down(msg.reason)
                 return
             elif isinstance(msg, Restarted):
-                self.sched = self._new_scheduler()  # the new executor's Ready (its KV size may differ)
+                self.sched = self._new_scheduler(msg.ready)  # the new executor's (its KV size may differ)
                 self.restarting = False
                 log.info("executor restarted: serving again")
             elif isinstance(msg, RestartFailed):
@@ -175,7 +173,7 @@ class Server:
             raise ExecutorDownError(reason)
         log.info("restarting the executor")
         self.restarting = True  # turns are refused until Restarted; everything else is served
-        self.sched = self._new_scheduler()  # empty meanwhile: nothing is planned or sent
+        self.sched = self._new_scheduler(self.link.ready)  # the last Ready; empty meanwhile: nothing is sent
         self.link.restart()
 
     def _emit(self, events: list[SchedEvent]) -> None:

@@ -11,6 +11,7 @@ idle gaps. A TPOT figure is mostly these step times: this shows which kind of st
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
 from collections import defaultdict
@@ -23,9 +24,16 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def beside(step: dict, prefill_steps: list[dict]) -> str:
-    """What the prefill lane ran while ``step`` ran: none, short or long (by its prefill tokens)."""
-    over = [p for p in prefill_steps if p["start"] < step["end"] and p["end"] > step["start"]]
+def beside(step: dict, prefill_steps: list[dict], starts: list[float]) -> str:
+    """What the prefill lane ran while ``step`` ran: none, short or long (by its prefill tokens).
+
+    ``prefill_steps`` are sorted by start (``starts``); one lane's steps never overlap each other, so the
+    walk back from the last one starting before ``step`` ends stops at the first that ended before it."""
+    over = []
+    for i in range(bisect.bisect_left(starts, step["end"]) - 1, -1, -1):
+        if prefill_steps[i]["end"] <= step["start"]:
+            break
+        over.append(prefill_steps[i])
     if not over:
         return "none"
     return "long" if max(p["prefill_tokens"] for p in over) >= LONG_PREFILL else "short"
@@ -33,10 +41,12 @@ def beside(step: dict, prefill_steps: list[dict]) -> str:
 
 def summarise(steps: list[dict]) -> list[str]:
     decode = [s for s in steps if s["lane"] == "decode" and s["decode_seqs"]]
-    prefill = [s for s in steps if s["lane"] == "prefill"]
+    prefill = sorted((s for s in steps if s["lane"] == "prefill"), key=lambda s: s["start"])
+    starts = [s["start"] for s in prefill]
     groups: dict[tuple, list[float]] = defaultdict(list)
     for s in decode:
-        key = (s["rung"], min(s["decode_seqs"], 4), "+prefill" if s["prefill_tokens"] else "-", beside(s, prefill))
+        mixed = "+prefill" if s["prefill_tokens"] else "-"
+        key = (s["rung"], min(s["decode_seqs"], 4), mixed, beside(s, prefill, starts))
         groups[key].append(s["ms"])
     out = [f"{'rung':>4} {'seqs':>4} {'mixed':>8} {'beside':>6} {'steps':>6} {'median':>8} {'p90':>8} {'max':>8}"]
     for (rung, seqs, mixed, near), ms in sorted(groups.items()):

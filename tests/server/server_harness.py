@@ -4,15 +4,15 @@ executor link that answers every plan at once (or fails it on request)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from agentserve.executor.builtin import resolve_model
 from agentserve.orchestrator.config import SchedulerConfig
+from agentserve.orchestrator.executor_link import ExecutorLink, ExecutorSpec
 from agentserve.orchestrator.ingress import Ingress
 from agentserve.orchestrator.server import Server, ServerOptions
 from agentserve.orchestrator.sim_executor import ready
@@ -24,12 +24,14 @@ from agentserve.shm.messages import ExecError, Plan, Result, SeqResult
 TOKEN = 65  # "A" in the byte-level vocabulary of the built-in models
 
 
-class FakeLink:
+class FakeLink(ExecutorLink):
     """An executor that samples ``TOKEN`` for every sequence a plan samples (``TOKEN + i`` for a sequence's
     i-th token with ``counting``); while ``failing``, or for a sequence's ``fail_from``-th token on, it
-    fails the plan instead (a step error: the executor lives on)."""
+    fails the plan instead (a step error: the executor lives on).  No process: the link's own queue and
+    wake-up pipe carry the replies."""
 
     def __init__(self) -> None:
+        super().__init__(ExecutorSpec("fake", ""))
         self.ready = ready(256)
         self.failing = False
         self.counting = False
@@ -38,12 +40,6 @@ class FakeLink:
         self.failed_steps: list[int] = []
         self.restarts = 0
         self.plans: list[Plan] = []
-        self._inbox: list[object] = []
-        self._lock = threading.Lock()
-        self._r, self._w = os.pipe()
-
-    def fileno(self) -> int:
-        return self._r
 
     def send(self, msg: object) -> None:
         if not isinstance(msg, Plan):
@@ -60,29 +56,25 @@ class FakeLink:
             t = time.monotonic()
             seqs = [SeqResult(s, TOKEN + (self.sampled[s] - 1) * self.counting) for s in sampled]
             reply = Result(msg.step, msg.lane, msg.rung, seqs, t, t)
-        self.post(reply)
+        self._post(reply)
 
     def post(self, msg: object) -> None:
         """Deliver ``msg`` to the server as if the executor side had sent it."""
-        with self._lock:
-            self._inbox.append(msg)
-        os.write(self._w, b"x")
+        self._post(msg)
 
     def restart(self, timeout: float = 600.0) -> None:
         self.restarts += 1  # the test posts Restarted (or RestartFailed) when it wants
 
-    def drain(self) -> list[object]:
-        os.read(self._r, 4096)
-        with self._lock:
-            out, self._inbox = self._inbox, []
-        return out
-
     def stop(self, timeout: float = 10.0) -> int | None:
         return 0
 
-    def close(self) -> None:
-        os.close(self._r)
-        os.close(self._w)
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll ``cond`` (the server loop runs on another thread) until it holds; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
 
 
 @contextlib.contextmanager

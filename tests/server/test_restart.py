@@ -3,21 +3,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from server_harness import TOKEN, serving
+from server_harness import TOKEN, serving, wait_until
 
 from agentserve.client import AgentClient
 from agentserve.client.errors import ExecutorFailed
 from agentserve.orchestrator.executor_link import ExecutorDown, Restarted
-
-
-def _wait(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def test_turns_are_refused_while_the_executor_restarts_then_served_again(tmp_path) -> None:
@@ -25,12 +16,12 @@ def test_turns_are_refused_while_the_executor_restarts_then_served_again(tmp_pat
           client.session(system="sys") as s):
         assert s.turn("before", max_tokens=2, ignore_eos=True).collect().token_ids == [TOKEN] * 2
         link.post(ExecutorDown("executor died: test"))
-        _wait(lambda: link.restarts == 1)
+        wait_until(lambda: link.restarts == 1)
         with pytest.raises(ExecutorFailed, match="restarting"):
             s.turn("during", max_tokens=2, ignore_eos=True).collect()
         with client.session(system="other") as t:  # the loop still serves everything but turns
             assert t.id != s.id
         link.post(Restarted(link.ready))
-        _wait(lambda: not server.restarting)
+        wait_until(lambda: not server.restarting)
         again = s.turn("after", max_tokens=3, ignore_eos=True).collect()
         assert again.token_ids == [TOKEN] * 3
