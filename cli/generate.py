@@ -49,6 +49,7 @@ def _runner_kwargs(engine: dict[str, Any], path: Any, prompts: list[list[int]], 
         context = min(context, int(engine["max_model_len"]))
     kwargs: dict[str, Any] = {
         "dtype": engine["dtype"],
+        "weights": engine["weights"],
         "device": engine["device"],
         "block_size": int(engine["block_size"]),
         "attention_backend": engine["attention_backend"],
@@ -82,8 +83,8 @@ def run_generate(opts: dict[str, Any]) -> None:
     from agentserve.orchestrator.tokenization import Tokenizer
     from agentserve.shm.messages import SamplingParams
 
-    engine = _engine_config(opts["config_file"], {"model": opts["model"], "dtype": opts["dtype"],
-                                                  "device": opts["device"], "prefill_chunk_size": opts["chunk_size"]})
+    given = {k: opts[k] for k in ("model", "dtype", "weights", "device")} | {"prefill_chunk_size": opts["chunk_size"]}
+    engine = _engine_config(opts["config_file"], given)
     path = resolve_model(str(engine["model"]), str(engine["cache_dir"]) or None)
     load_config(path)  # unknown architecture / bad config.json: fail before loading weights
     needs_text = any(p.ids is None for p in opts["prompts"]) or (path / "tokenizer.json").exists()
@@ -131,6 +132,7 @@ def _collect_prompts(text: tuple[str, ...], ids: str | None, file: str | None) -
 @click.option("--chat", is_flag=True, help="Wrap text prompts as a user message in the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
 @click.option("--dtype", default=None, help="auto | bfloat16 | float16 | float32")
+@click.option("--weights", default=None, help="auto | dense | fp16 (packed fp16 matrices on CPU; see engine.toml)")
 @click.option("--device", default=None, help="auto | cpu | cuda")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="A TOML file.")
 @click.option("--log-level", default="WARNING", show_default=True)

@@ -38,6 +38,8 @@ def _executor_args(engine: dict[str, Any], partition: str | None) -> list[str]:
     args = [
         "--dtype",
         str(engine["dtype"]),
+        "--weights",
+        str(engine["weights"]),
         "--device",
         str(engine["device"]),
         "--block-size",
@@ -69,6 +71,7 @@ def _resolve_model(name: str, cache_dir: str) -> str:
 @click.option("--tpot-slo-ms", type=float, default=None, help="TPOT target the controller steers by.")
 @click.option("--ttft-slo-ms", type=float, default=None, help="TTFT objective (reported).")
 @click.option("--dtype", default=None, help="auto | bfloat16 | float16 | float32")
+@click.option("--weights", default=None, help="auto | dense | fp16 (packed fp16 matrices on CPU; see engine.toml)")
 @click.option("--device", default=None, help="auto | cpu | cuda")
 @click.option("--num-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory).")
 @click.option("--kv-cache-gb", type=float, default=None, help="KV cache size in GiB.")
@@ -101,6 +104,7 @@ def _configs(opts: dict[str, Any]) -> tuple[dict[str, Any], Any]:
             for k, v in {
                 "model": opts["model"],
                 "dtype": opts["dtype"],
+                "weights": opts["weights"],
                 "device": opts["device"],
                 "num_blocks": opts["num_blocks"],
                 "kv_cache_memory_gb": opts["kv_cache_gb"],

@@ -1,5 +1,6 @@
 """One decoder for Llama, Qwen2 and Qwen3: RMSNorm, RoPE, GQA attention (optional qkv bias, optional q/k
-norm), SwiGLU MLP, tied or untied lm_head. Weights are fused at load time (qkv, gate_up)."""
+norm), SwiGLU MLP, tied or untied lm_head. Weights are fused at load time (qkv, gate_up) and held as
+:mod:`.linear` matrices (dense, or packed fp16 on CPU)."""
 
 from __future__ import annotations
 
@@ -13,43 +14,57 @@ from agentserve.executor.checkpoint import ModelConfig
 from agentserve.executor.errors import CheckpointError
 from agentserve.executor.kv_cache import KVCache
 from agentserve.executor.layers import Rotary, rms_norm, silu_mul
+from agentserve.executor.linear import Linear, choose_format, make_linear
 
 
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: Linear  # q, k and v projections fused (with their biases where the model has them)
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # gate and up projections fused
+    down: Linear
 
 
 class _Weights:
-    """Pops tensors from a checkpoint state dict by name, casting them and failing with a clear message."""
+    """Pops tensors from a checkpoint state dict by name, casting them and failing with a clear message.
 
-    def __init__(self, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
-        self.state, self.dtype, self.device = state, dtype, device
+    Matrices become :class:`Linear` objects in the format ``weight_format`` picks for each (see
+    :mod:`.linear`); the format decision sees the tensor as the checkpoint stored it."""
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def __init__(self, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 weight_format: str) -> None:
+        self.state, self.dtype, self.device, self.weight_format = state, dtype, device, weight_format
+        self.formats: list[str] = []  # the format of every matrix made, in order
+
+    def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.state:
             raise CheckpointError(f"checkpoint has no tensor {name!r}")
         t = self.state.pop(name)
         if tuple(t.shape) != shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, config implies {shape}")
+        return t
+
+    def cast(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype)
 
-    def fused(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
-        return torch.cat([self.take(n, s) for n, s in zip(names, shapes, strict=True)], dim=0).contiguous()
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.cast(self.raw(name, shape))
 
-    def maybe_fused(self, want: bool, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor | None:
-        return self.fused(names, shapes) if want else None
+    def linear(self, names: list[str], shapes: list[tuple[int, ...]], bias: bool = False) -> Linear:
+        """The matrices ``names`` (``.weight`` appended) fused along rows, with their ``.bias`` if ``bias``."""
+        source = torch.cat([self.raw(n + ".weight", s) for n, s in zip(names, shapes, strict=True)])
+        b = torch.cat([self.raw(n + ".bias", s[:1]) for n, s in zip(names, shapes, strict=True)]) if bias else None
+        return self.as_linear(source, self.cast(source).contiguous(), None if b is None else self.cast(b))
+
+    def as_linear(self, source: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """``weight`` (``source`` cast to the model dtype) as a matrix in the format chosen for ``source``."""
+        fmt = choose_format(self.weight_format, source, self.device, self.dtype)
+        self.formats.append(fmt)
+        return make_linear(fmt, weight, bias)
 
 
 class DecoderModel:
@@ -62,41 +77,37 @@ class DecoderModel:
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int,
+        weight_format: str = "dense",
     ) -> None:
         self.config = config
-        w = _Weights(state, dtype, device)
+        w = _Weights(state, dtype, device, weight_format)
         c = config
-        self.embed = w.take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        embed = w.raw("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.embed = w.cast(embed)
         self.layers = [self._layer(w, i) for i in range(c.num_layers)]
         self.norm = w.take("model.norm.weight", (c.hidden_size,))
         if c.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-            self.lm_head = self.embed
+            self.lm_head = w.as_linear(embed, self.embed, None)  # dense: the same tensor as the embedding
         else:
-            self.lm_head = w.take("lm_head.weight", (c.vocab_size, c.hidden_size))
+            self.lm_head = w.linear(["lm_head"], [(c.vocab_size, c.hidden_size)])
+        self.weight_formats = sorted(set(w.formats))
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)
 
     def _layer(self, w: _Weights, i: int) -> Layer:
         c, p = self.config, f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        qkv_names = [a + "q_proj", a + "k_proj", a + "v_proj"]
-        qkv_rows = [c.q_size, c.kv_size, c.kv_size]
         inter = c.intermediate_size
         return Layer(
             input_norm=w.take(p + "input_layernorm.weight", (c.hidden_size,)),
-            qkv=w.fused([n + ".weight" for n in qkv_names], [(r, c.hidden_size) for r in qkv_rows]),
-            qkv_bias=w.maybe_fused(c.qkv_bias, [n + ".bias" for n in qkv_names], [(r,) for r in qkv_rows]),
+            qkv=w.linear([a + "q_proj", a + "k_proj", a + "v_proj"],
+                         [(r, c.hidden_size) for r in (c.q_size, c.kv_size, c.kv_size)], c.qkv_bias),
             q_norm=w.take(a + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
             k_norm=w.take(a + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
-            o=w.take(a + "o_proj.weight", (c.hidden_size, c.q_size)),
-            o_bias=w.take(a + "o_proj.bias", (c.hidden_size,)) if c.o_bias else None,
+            o=w.linear([a + "o_proj"], [(c.hidden_size, c.q_size)], c.o_bias),
             post_norm=w.take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=w.fused([m + "gate_proj.weight", m + "up_proj.weight"], [(inter, c.hidden_size)] * 2),
-            gate_up_bias=w.maybe_fused(
-                c.mlp_bias, [m + "gate_proj.bias", m + "up_proj.bias"], [(inter,)] * 2
-            ),
-            down=w.take(m + "down_proj.weight", (c.hidden_size, inter)),
-            down_bias=w.take(m + "down_proj.bias", (c.hidden_size,)) if c.mlp_bias else None,
+            gate_up=w.linear([m + "gate_proj", m + "up_proj"], [(inter, c.hidden_size)] * 2, c.mlp_bias),
+            down=w.linear([m + "down_proj"], [(c.hidden_size, inter)], c.mlp_bias),
         )
 
     def forward(
@@ -122,9 +133,7 @@ class DecoderModel:
                 meta,
             )
             h = rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
-            x = x + F.linear(
-                silu_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias
-            )
+            x = x + layer.down(silu_mul(layer.gate_up(h)))
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def _attention(
@@ -139,7 +148,7 @@ class DecoderModel:
         meta: object,
     ) -> torch.Tensor:
         c, t = self.config, h.shape[0]
-        q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = layer.qkv(h).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
         if layer.q_norm is not None:
@@ -148,8 +157,8 @@ class DecoderModel:
         q = self.rotary.apply(q, cos, sin)
         k = self.rotary.apply(k, cos, sin)
         out = backend.forward(q, k, v.view(t, c.num_kv_heads, c.head_dim), k_cache, v_cache, meta)
-        return F.linear(out, layer.o, layer.o_bias)
+        return layer.o(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -59,6 +59,7 @@ RECV_POLL_S = 0.5
 # ModelRunner keyword arguments the executor's command line carries (name, type).
 RUNNER_OPTIONS: tuple[tuple[str, type], ...] = (
     ("dtype", str),
+    ("weights", str),
     ("device", str),
     ("block_size", int),
     ("num_blocks", int),
@@ -134,7 +135,7 @@ class Executor:
             backend=self.backend.name,
             reason=self.backend.reason,
             ladder=list(self.backend.ladder),
-            device=f"{r.device} {self.backend.device} {str(r.dtype).removeprefix('torch.')}",
+            device=f"{r.device} {self.backend.device} {str(r.dtype).removeprefix('torch.')} {r.weight_format}",
             model=model,
         )
 

@@ -18,6 +18,7 @@ from agentserve.executor.attention import AttentionBatch, create_backend
 from agentserve.executor.checkpoint import ModelConfig, load_config, load_weights
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
 from agentserve.executor.kv_cache import KVCache, bytes_per_block
+from agentserve.executor.linear import check_format
 from agentserve.executor.model import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -105,17 +106,19 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         attention_backend: str = "torch",
         max_model_len: int | None = None,
+        weights: str = "auto",
     ) -> None:
         self.config = config = load_config(model_dir)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, config)
+        check_format(weights, self.device, self.dtype)
         self.block_size = block_size
         self.max_model_len = min(
             max_model_len or config.max_position_embeddings, config.max_position_embeddings
         )
         with torch.inference_mode():
             self.model = DecoderModel(
-                config, load_weights(model_dir), self.dtype, self.device, self.max_model_len
+                config, load_weights(model_dir), self.dtype, self.device, self.max_model_len, weights
             )
         self.num_blocks = num_blocks or self._default_num_blocks(kv_cache_bytes)
         self.kv_cache = KVCache(
@@ -131,11 +134,12 @@ class ModelRunner:
             attention_backend, config.num_heads, config.num_kv_heads, config.head_dim, block_size, self.device
         )
         log.info(
-            "loaded %s (%s) on %s as %s; KV cache %d blocks x %d tokens (%.1f MiB)",
+            "loaded %s (%s) on %s as %s, %s weights; KV cache %d blocks x %d tokens (%.1f MiB)",
             model_dir,
             config.architecture,
             self.device,
             self.dtype,
+            self.weight_format,
             self.num_blocks,
             block_size,
             self.kv_cache.total_bytes / 2**20,
@@ -153,6 +157,11 @@ class ModelRunner:
         if budget < per_block:
             raise EngineError(f"KV cache budget {budget} bytes is smaller than one block ({per_block} bytes)")
         return budget // per_block
+
+    @property
+    def weight_format(self) -> str:
+        """``dense``, ``fp16`` (packed for FBGEMM) or ``dense+fp16`` when the matrices differ."""
+        return "+".join(self.model.weight_formats)
 
     @property
     def capacity_tokens(self) -> int:

@@ -63,10 +63,14 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
 def weight_bytes(runner: ModelRunner) -> int:
     """Bytes a decode step must stream: every layer matrix and norm and the lm_head (not the embedding)."""
     m = runner.model
-    tensors = [m.norm, m.lm_head]
+    total = m.norm.numel() * m.norm.element_size() + m.lm_head.nbytes
     for layer in m.layers:
-        tensors += [t for t in vars(layer).values() if t is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+        for part in vars(layer).values():
+            if isinstance(part, torch.Tensor):
+                total += part.numel() * part.element_size()
+            elif part is not None:
+                total += part.nbytes
+    return total
 
 
 def tokens(n: int, vocab: int, seed: int) -> list[int]:
@@ -156,6 +160,7 @@ def main() -> None:
     ap.add_argument("--model", default="bench", help="checkpoint folder or built-in name (tiny, bench)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--weights", default="auto", help="auto | dense | fp16 (see configs/engine.toml)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = all cores)")
     ap.add_argument("--repeats", type=int, default=3, help="timed prefill runs per size (median)")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size (median)")
@@ -168,14 +173,15 @@ def main() -> None:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     path = resolve_model(args.model)
     blocks = max(DECODE_BATCHES) * -(-(CONTEXT + args.steps + 8) // 16) + max(PREFILL_LENS) // 16
-    runner = ModelRunner(path, dtype=args.dtype, device=args.device, num_blocks=blocks)
+    runner = ModelRunner(path, dtype=args.dtype, device=args.device, num_blocks=blocks, weights=args.weights)
     sides: dict = {"agentserve": RunnerSide(runner)}
     if not args.no_hf:
         sides["transformers_eager"] = HFSide(path, runner.dtype, runner.device)
     bw = copy_bandwidth(runner.device)
     result = {
         "model": str(args.model), "architecture": runner.config.architecture, "device": str(runner.device),
-        "dtype": str(runner.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "dtype": str(runner.dtype).removeprefix("torch."), "weights": runner.weight_format,
+        "threads": torch.get_num_threads(),
         "decode_context_tokens": CONTEXT, "weight_bytes": weight_bytes(runner),
         "copy_bandwidth_gb_s": round(bw / 1e9, 2),
         "load_average_before": round(os.getloadavg()[0], 2),  # timings are only meaningful on a quiet machine

@@ -78,7 +78,7 @@ def test_tied_checkpoint_without_lm_head_and_untied_needs_it(tmp_path):
     path = save_checkpoint(model, tmp_path / "tied")
     assert "lm_head.weight" not in load_weights(path)
     runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=2)
-    assert runner.model.lm_head is runner.model.embed
+    assert runner.model.lm_head.weight is runner.model.embed
     edit_config(path, tie_word_embeddings=False)
     with pytest.raises(CheckpointError, match="lm_head.weight"):
         ModelRunner(path, dtype="float32", device="cpu", num_blocks=2)

@@ -1,0 +1,112 @@
+"""Packed fp16 weights (FBGEMM) against transformers on the same weights, and the format choice."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from conftest import MAX_NEW
+from engine_helpers import GreedyDriver, greedy_generate, hf_greedy, hf_logits
+
+from agentserve.executor.errors import EngineError
+from agentserve.executor.linear import PackedFp16Linear, choose_format, fp16_packing_available
+from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
+
+needs_fbgemm = pytest.mark.skipif(not fp16_packing_available(), reason="no FBGEMM fp16 linear in this build/CPU")
+REL_TOL = 1e-4
+CPU, F32 = torch.device("cpu"), torch.float32
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoints(cases, tmp_path_factory):
+    """Each case saved in bf16 (as most published checkpoints are), and transformers on it in fp32."""
+    root, out = tmp_path_factory.mktemp("bf16_ckpt"), {}
+    for name, case in cases.items():
+        path = root / name
+        copy.deepcopy(case.hf).to(torch.bfloat16).save_pretrained(path)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        out[name] = (path, hf)
+    return out
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("rows", [1, 4, 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_is_fp16_rounded_weight_in_fp32(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(96, 40, generator=g), torch.randn(rows, 40, generator=g)
+    b = torch.randn(96, generator=g) if with_bias else None
+    lin = PackedFp16Linear(w, b)
+    ref = F.linear(x, w.half().float(), b)
+    assert lin(x).dtype == F32 and lin(x).shape == (rows, 96)
+    assert torch.allclose(lin(x), ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)  # the weights really are fp16
+    assert lin.nbytes == 96 * 40 * 2 + (96 * 4 if with_bias else 0)
+
+
+@needs_fbgemm
+def test_bf16_checkpoint_runs_packed_and_matches_transformers(case, bf16_checkpoints):
+    path, hf = bf16_checkpoints[case.name]
+    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64)
+    assert runner.weight_format == "fp16"  # auto: 16-bit matrices on an fp32 CPU runner are packed
+    assert greedy_generate(runner, case.prompts, MAX_NEW) == [hf_greedy(hf, p, MAX_NEW) for p in case.prompts]
+    a, b = case.prompts[3], case.prompts[1]
+    driver = GreedyDriver(runner, 2)
+    driver.prefill([0, 1], [a[:50], b])
+    got = runner.prefill([PrefillChunk(a[50:], 50, driver.tables[0])], all_logits=True)[0]
+    assert rel_err(got, hf_logits(hf, a)[50:]) < REL_TOL
+    dec = runner.decode([DecodeItem(7, len(a), driver.tables[0]), DecodeItem(9, len(b), driver.tables[1])])
+    assert rel_err(dec[0], hf_logits(hf, a + [7])[-1]) < REL_TOL
+    assert rel_err(dec[1], hf_logits(hf, b + [9])[-1]) < REL_TOL
+
+
+@needs_fbgemm
+def test_forced_fp16_on_fp32_checkpoint_matches_fp16_rounded_transformers(cases):
+    case = cases["llama3_untied"]  # untied: the embedding lookup stays fp32, the lm_head is packed
+    rounded = copy.deepcopy(case.hf)
+    with torch.no_grad():
+        for name, p in rounded.named_parameters():
+            if "proj.weight" in name or "lm_head" in name:
+                p.copy_(p.half().float())
+    runner = ModelRunner(case.path, dtype="float32", device="cpu", num_blocks=8, weights="fp16")
+    assert runner.weight_format == "fp16"
+    tokens = case.prompts[3]
+    got = runner.prefill([PrefillChunk(tokens, 0, list(range(8)))], all_logits=True)[0]
+    assert rel_err(got, hf_logits(rounded, tokens)) < REL_TOL
+    assert rel_err(got, hf_logits(case.hf, tokens)) > REL_TOL  # fp16 rounding is visible: the test can fail
+
+
+def test_auto_keeps_fp32_checkpoints_and_bf16_runners_dense(cases, bf16_checkpoints):
+    case = cases["llama_tied"]
+    dense = ModelRunner(case.path, dtype="float32", device="cpu", num_blocks=2)
+    assert dense.weight_format == "dense"
+    assert dense.model.lm_head.weight is dense.model.embed  # tied and dense: one tensor
+    path, _ = bf16_checkpoints[case.name]
+    assert ModelRunner(path, dtype="float32", device="cpu", num_blocks=2, weights="dense").weight_format == "dense"
+    assert ModelRunner(path, dtype="bfloat16", device="cpu", num_blocks=2).weight_format == "dense"
+
+
+def test_auto_keeps_values_outside_fp16_range_dense():
+    big = torch.tensor([[1.0, 70000.0]], dtype=torch.bfloat16)
+    small = torch.tensor([[1.0, 60000.0]], dtype=torch.bfloat16)
+    expected = "fp16" if fp16_packing_available() else "dense"
+    assert choose_format("auto", big, CPU, F32) == "dense"
+    assert choose_format("auto", small, CPU, F32) == expected
+    assert choose_format("auto", small.float(), CPU, F32) == "dense"  # an fp32 checkpoint is not rounded
+    assert choose_format("auto", small, CPU, torch.bfloat16) == "dense"
+    assert choose_format("dense", small, CPU, F32) == "dense"
+
+
+def test_bad_weight_format_is_a_clear_error(cases):
+    path = cases["llama_tied"].path
+    with pytest.raises(EngineError, match="unknown weight format"):
+        ModelRunner(path, dtype="float32", device="cpu", num_blocks=2, weights="int4")
+    with pytest.raises(EngineError, match="float32"):
+        ModelRunner(path, dtype="bfloat16", device="cpu", num_blocks=2, weights="fp16")
