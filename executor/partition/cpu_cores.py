@@ -14,12 +14,15 @@ keeps the mask it was created with, so after a rung change a reused worker may s
 the cores of its first rung (exact on 2 cores, where a partitioned lane has no workers).
 
 A step of at most :data:`ONE_THREAD_MAX_TOKENS` tokens (a decode of a few sequences) runs on one
-intra-op thread while the other lane is running a step on the same cores (the shared rung): a second
-thread would take the core the other lane lives on and add an OpenMP barrier per op that stalls on it.
-Otherwise it gets the binding's threads.  Measured, ``bench`` model (fp16-packed weights), 2 vCPUs,
-4 sequences at 3k context: alone 25.5 ms on two threads vs 34.9 ms on one (alternated in one process);
-beside an idle-priority 4096-token prefill, two threads 29–34 ms vs 42 ms on one — but the prefill then
-takes 13–14 s instead of 6 s.  (With MKL's fp32 matmuls one thread also won alone, 41 vs 44.5 ms.)
+intra-op thread: its matmuls are memory-bound and one thread moves nearly what two do, while a
+second thread adds an OpenMP barrier per op that stalls whenever the other core is busy (the
+orchestrator, a client, the prefill lane).  Measured, ``bench`` model, 4 sequences at 3k context on
+2 vCPUs: 41 ms alone on one thread vs 44.5 ms on two; beside an idle-priority prefill 36–42 ms vs
+44–46 ms, the prefill also faster.  At 8 sequences two threads win (43 vs 58 ms).  With fp16-packed
+matmuls a bare decode loop is faster on two threads (25.5 vs 34.9 ms), but inside the server, where the
+orchestrator and clients use the other core between and during steps, two threads lost: `bench` react,
+4 agents, alternated runs, one thread vs two whenever the prefill lane is idle — TPOT p50 27.0 / 21.2 ms
+vs 33.6 / 23.2 ms, p95 36.5 / 30.4 vs 41.4 / 31.9 ms, throughput 64 vs 59–63 tok/s (fcfs alike).
 
 On the shared (top) rung both lanes may use every core, and the prefill lane thread runs at
 ``SCHED_IDLE`` — the CPU analogue of decode's high-priority stream: decode preempts prefill, and
@@ -126,8 +129,6 @@ class CpuCoresBackend(PartitionBackend):
         )
         note = reason or f"lanes are threads pinned to disjoint cores ({len(self.cores)} usable); {shared}"
         super().__init__(ladder, f"cpu ({len(self.cores)} cores)", note)
-        self._running = dict.fromkeys(Lane, 0)  # steps inside step_scope, per lane
-        self._running_lock = threading.Lock()
 
     def cores_for(self, lane: Lane, rung: Rung) -> tuple[int, ...]:
         if not rung.partitioned:
@@ -154,22 +155,15 @@ class CpuCoresBackend(PartitionBackend):
 
     @contextmanager
     def step_scope(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
-        """One intra-op thread for a step of at most ``ONE_THREAD_MAX_TOKENS`` tokens while the other lane
-        runs a step on the same cores; the binding's count otherwise."""
-        other = Lane.PREFILL if binding.lane == Lane.DECODE else Lane.DECODE
-        with self._running_lock:
-            self._running[binding.lane] += 1
-            contended = self._running[other] > 0 and not binding.rung.partitioned
-        one = contended and binding.threads > 1 and num_tokens <= ONE_THREAD_MAX_TOKENS
-        if one:
-            torch.set_num_threads(1)
+        """One intra-op thread for a step of at most ``ONE_THREAD_MAX_TOKENS`` tokens, the binding's count otherwise."""
+        if binding.threads <= 1 or num_tokens > ONE_THREAD_MAX_TOKENS:
+            yield
+            return
+        torch.set_num_threads(1)
         try:
             yield
         finally:
-            if one:
-                torch.set_num_threads(binding.threads)
-            with self._running_lock:
-                self._running[binding.lane] -= 1
+            torch.set_num_threads(binding.threads)
 
     def _release(self) -> None:
         """Nothing to free: bindings restore their thread's mask and thread count on exit."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -183,13 +182,11 @@ def test_idle_priority_is_skipped_when_it_cannot_be_undone(monkeypatch: pytest.M
     backend.close()
 
 
-def test_a_few_tokens_run_on_one_intra_op_thread_while_the_other_lane_steps(cpu: CpuCoresBackend) -> None:
-    """Decode of up to 4 sequences beside a running prefill step on shared cores: one thread (no OpenMP
-    barrier on the prefill's core); alone, on its own cores, or a bigger step: the binding's."""
-    top = cpu.ladder[-1]
-    split = next((r for r in cpu.ladder if r.partitioned), None)
+def test_a_step_of_a_few_tokens_runs_on_one_intra_op_thread(cpu: CpuCoresBackend) -> None:
+    """Decode of up to 4 sequences: one thread (no OpenMP barrier to stall); bigger steps: the binding's."""
+    rung = cpu.ladder[-1]
 
-    def threads_in_step(binding_threads: int, tokens: int, prefill_running: bool, rung=top) -> tuple[int, int]:
+    def threads_in_step(binding_threads: int, tokens: int) -> tuple[int, int]:
         out: list[int] = []
 
         def body() -> None:
@@ -200,17 +197,11 @@ def test_a_few_tokens_run_on_one_intra_op_thread_while_the_other_lane_steps(cpu:
                 out.append(torch.get_num_threads())
             out.append(torch.get_num_threads())
 
-        prefill = LaneBinding(Lane.PREFILL, rung, 1, threads=1)
-        with cpu.step_scope(prefill, 512) if prefill_running else contextlib.nullcontext():
-            t = threading.Thread(target=body)
-            t.start()
-            t.join()
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
         return out[0], out[1]
 
-    assert threads_in_step(2, ONE_THREAD_MAX_TOKENS, prefill_running=True) == (1, 2)
-    assert threads_in_step(2, ONE_THREAD_MAX_TOKENS, prefill_running=False) == (2, 2)
-    assert threads_in_step(2, ONE_THREAD_MAX_TOKENS + 1, prefill_running=True) == (2, 2)
-    assert threads_in_step(2, ONE_THREAD_MAX_TOKENS, prefill_running=False) == (2, 2)  # the count was released
-    if split is not None:  # disjoint cores: nothing to contend for
-        assert threads_in_step(2, 1, prefill_running=True, rung=split) == (2, 2)
-    assert threads_in_step(1, 1, prefill_running=True) == (1, 1)
+    assert threads_in_step(2, ONE_THREAD_MAX_TOKENS) == (1, 2)
+    assert threads_in_step(2, ONE_THREAD_MAX_TOKENS + 1) == (2, 2)
+    assert threads_in_step(1, 1) == (1, 1)
