@@ -8,10 +8,11 @@
   decode: on 2 AVX2 cores a ``bench``-model decode step of 4 sequences at 3k context takes about 0.7x the
   time of ``F.linear`` on fp32 weights, the lm_head product ~4x less.
 
-Which one a matrix gets (:func:`choose_format`): ``dense`` always dense; ``fp16`` packs every matrix;
-``auto`` packs on a CPU running fp32 when the checkpoint stored the matrix in 16 bits and every value is
-within fp16's range.  That loses nothing but fp16 subnormals: a bf16 value (8 significant bits) of
-magnitude 2^-14 .. 65504 is exactly an fp16 (11 significant bits); below 2^-14 it rounds by at most 2^-25.
+Which one a matrix gets (:func:`choose_format`) under the ``weights`` setting: ``dense`` always dense;
+``fp16`` packs every matrix; ``auto`` packs on a CPU running fp32 when the checkpoint stored the matrix in
+16 bits and every value is within fp16's range.  That loses nothing but fp16 subnormals: a bf16 value
+(8 significant bits) of magnitude 2^-14 .. 65504 is exactly an fp16 (11 significant bits); below 2^-14 it
+rounds by at most 2^-25.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from agentserve.executor.errors import EngineError
 
-WEIGHT_FORMATS = ("auto", "dense", "fp16")
+WEIGHTS_SETTINGS = ("auto", "dense", "fp16")  # what a user asks for; a matrix ends up dense or fp16
 FP16_MAX = 65504.0
 
 
@@ -78,29 +79,36 @@ def fp16_packing_available() -> bool:
         return False
 
 
-def check_format(fmt: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Fail early for a format this device, dtype or build cannot run."""
-    if fmt not in WEIGHT_FORMATS:
-        raise EngineError(f"unknown weight format {fmt!r}; use {', '.join(WEIGHT_FORMATS)}")
-    if fmt != "fp16":
+def check_weights(weights: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Fail early for a ``weights`` setting this device, dtype or build cannot run."""
+    if weights not in WEIGHTS_SETTINGS:
+        raise EngineError(f"unknown weights setting {weights!r}; use {', '.join(WEIGHTS_SETTINGS)}")
+    if weights != "fp16":
         return
     if device.type != "cpu" or dtype != torch.float32:
-        raise EngineError("weights fp16 (packed for FBGEMM) needs device cpu and dtype float32")
+        raise EngineError(f"weights fp16 (packed for FBGEMM) needs device cpu and dtype float32, "
+                          f"not {device.type} {str(dtype).removeprefix('torch.')}")
     if not fp16_packing_available():
         raise EngineError("weights fp16 needs FBGEMM (an x86-64 PyTorch build on an AVX2 CPU); use dense")
 
 
-def choose_format(fmt: str, source: torch.Tensor, device: torch.device, dtype: torch.dtype) -> str:
-    """``dense`` or ``fp16`` for one matrix as stored in the checkpoint (``source``), under ``fmt``."""
-    if fmt != "auto":
-        return fmt
-    if device.type != "cpu" or dtype != torch.float32 or source.element_size() != 2:
+def choose_format(weights: str, stored: torch.dtype, weight: torch.Tensor) -> str:
+    """``dense`` or ``fp16`` for one matrix, ``weight`` in the model dtype, ``stored`` its checkpoint dtype."""
+    if weights not in WEIGHTS_SETTINGS:
+        raise EngineError(f"unknown weights setting {weights!r}; use {', '.join(WEIGHTS_SETTINGS)}")
+    if weights != "auto":
+        return weights
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or stored.itemsize != 2:
         return "dense"
-    if not fp16_packing_available() or source.abs().max().item() > FP16_MAX:
+    if not fp16_packing_available() or weight.abs().max().item() > FP16_MAX:
         return "dense"
     return "fp16"
 
 
 def make_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-    """A matrix in the chosen concrete format (``dense`` or ``fp16``); tensors already in the model dtype."""
-    return PackedFp16Linear(weight, bias) if fmt == "fp16" else DenseLinear(weight, bias)
+    """A matrix in a concrete format (``dense`` or ``fp16``); tensors already in the model dtype."""
+    if fmt == "fp16":
+        return PackedFp16Linear(weight, bias)
+    if fmt == "dense":
+        return DenseLinear(weight, bias)
+    raise EngineError(f"no matrix format {fmt!r}")

@@ -14,7 +14,7 @@ from agentserve.executor.checkpoint import ModelConfig
 from agentserve.executor.errors import CheckpointError
 from agentserve.executor.kv_cache import KVCache
 from agentserve.executor.layers import Rotary, rms_norm, silu_mul
-from agentserve.executor.linear import Linear, choose_format, make_linear
+from agentserve.executor.linear import DenseLinear, Linear, choose_format, make_linear
 
 
 @dataclass
@@ -32,12 +32,12 @@ class Layer:
 class _Weights:
     """Pops tensors from a checkpoint state dict by name, casting them and failing with a clear message.
 
-    Matrices become :class:`Linear` objects in the format ``weight_format`` picks for each (see
-    :mod:`.linear`); the format decision sees the tensor as the checkpoint stored it."""
+    Matrices become :class:`Linear` objects in the format the ``weights`` setting picks for each (see
+    :mod:`.linear`); the choice sees the dtype the checkpoint stored the matrix in."""
 
     def __init__(self, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 weight_format: str) -> None:
-        self.state, self.dtype, self.device, self.weight_format = state, dtype, device, weight_format
+                 weights: str) -> None:
+        self.state, self.dtype, self.device, self.weights = state, dtype, device, weights
         self.formats: list[str] = []  # the format of every matrix made, in order
 
     def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -58,11 +58,11 @@ class _Weights:
         """The matrices ``names`` (``.weight`` appended) fused along rows, with their ``.bias`` if ``bias``."""
         source = torch.cat([self.raw(n + ".weight", s) for n, s in zip(names, shapes, strict=True)])
         b = torch.cat([self.raw(n + ".bias", s[:1]) for n, s in zip(names, shapes, strict=True)]) if bias else None
-        return self.as_linear(source, self.cast(source).contiguous(), None if b is None else self.cast(b))
+        return self.as_linear(source.dtype, self.cast(source).contiguous(), None if b is None else self.cast(b))
 
-    def as_linear(self, source: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-        """``weight`` (``source`` cast to the model dtype) as a matrix in the format chosen for ``source``."""
-        fmt = choose_format(self.weight_format, source, self.device, self.dtype)
+    def as_linear(self, stored: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """``weight`` (in the model dtype; ``stored`` in the checkpoint) as a matrix in its chosen format."""
+        fmt = choose_format(self.weights, stored, weight)
         self.formats.append(fmt)
         return make_linear(fmt, weight, bias)
 
@@ -77,20 +77,25 @@ class DecoderModel:
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int,
-        weight_format: str = "dense",
+        weights: str = "auto",
     ) -> None:
         self.config = config
-        w = _Weights(state, dtype, device, weight_format)
-        c = config
-        embed = w.raw("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
-        self.embed = w.cast(embed)
+        w = _Weights(state, dtype, device, weights)
+        c, self.dtype = config, dtype
+        stored = w.raw("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        embed = w.cast(stored)
         self.layers = [self._layer(w, i) for i in range(c.num_layers)]
         self.norm = w.take("model.norm.weight", (c.hidden_size,))
         if c.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-            self.lm_head = w.as_linear(embed, self.embed, None)  # dense: the same tensor as the embedding
+            self.lm_head = w.as_linear(stored.dtype, embed, None)
         else:
             self.lm_head = w.linear(["lm_head"], [(c.vocab_size, c.hidden_size)])
+        # the lookup table: shared with a dense tied lm_head, else kept as stored when that is narrower
+        # (a row cast on lookup is exact), so a packed head does not leave a wide copy beside it
+        shared = isinstance(self.lm_head, DenseLinear) and self.lm_head.weight is embed
+        narrower = stored.dtype.itemsize < dtype.itemsize and stored.dtype.is_floating_point
+        self.embed = stored.to(device) if narrower and not shared else embed
         self.weight_formats = sorted(set(w.formats))
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)
 
@@ -119,7 +124,7 @@ class DecoderModel:
         meta: object,
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``, for flat ``input_ids``/``positions`` ([T])."""
-        x = F.embedding(input_ids, self.embed)
+        x = F.embedding(input_ids, self.embed).to(self.dtype)
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(

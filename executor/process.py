@@ -135,7 +135,7 @@ class Executor:
             backend=self.backend.name,
             reason=self.backend.reason,
             ladder=list(self.backend.ladder),
-            device=f"{r.device} {self.backend.device} {str(r.dtype).removeprefix('torch.')} {r.weight_format}",
+            device=f"{r.device} {self.backend.device} {str(r.dtype).removeprefix('torch.')} weights={r.weight_format}",
             model=model,
         )
 

@@ -18,7 +18,7 @@ from agentserve.executor.attention import AttentionBatch, create_backend
 from agentserve.executor.checkpoint import ModelConfig, load_config, load_weights
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
 from agentserve.executor.kv_cache import KVCache, bytes_per_block
-from agentserve.executor.linear import check_format
+from agentserve.executor.linear import check_weights
 from agentserve.executor.model import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class ModelRunner:
         self.config = config = load_config(model_dir)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, config)
-        check_format(weights, self.device, self.dtype)
+        check_weights(weights, self.device, self.dtype)
         self.block_size = block_size
         self.max_model_len = min(
             max_model_len or config.max_position_embeddings, config.max_position_embeddings

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import MAX_NEW
-from engine_helpers import GreedyDriver, greedy_generate, hf_greedy, hf_logits
+from engine_helpers import COMMON, GreedyDriver, greedy_generate, hf_greedy, hf_logits, random_prompts
 
 from agentserve.executor.errors import EngineError
 from agentserve.executor.linear import PackedFp16Linear, choose_format, fp16_packing_available
@@ -56,6 +56,7 @@ def test_bf16_checkpoint_runs_packed_and_matches_transformers(case, bf16_checkpo
     path, hf = bf16_checkpoints[case.name]
     runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64)
     assert runner.weight_format == "fp16"  # auto: 16-bit matrices on an fp32 CPU runner are packed
+    assert runner.model.embed.dtype == torch.bfloat16  # the lookup table stays as stored (tied or not)
     assert greedy_generate(runner, case.prompts, MAX_NEW) == [hf_greedy(hf, p, MAX_NEW) for p in case.prompts]
     a, b = case.prompts[3], case.prompts[1]
     driver = GreedyDriver(runner, 2)
@@ -94,19 +95,37 @@ def test_auto_keeps_fp32_checkpoints_and_bf16_runners_dense(cases, bf16_checkpoi
 
 
 def test_auto_keeps_values_outside_fp16_range_dense():
-    big = torch.tensor([[1.0, 70000.0]], dtype=torch.bfloat16)
-    small = torch.tensor([[1.0, 60000.0]], dtype=torch.bfloat16)
+    big, small = torch.tensor([[1.0, 70000.0]]), torch.tensor([[1.0, 60000.0]])
     expected = "fp16" if fp16_packing_available() else "dense"
-    assert choose_format("auto", big, CPU, F32) == "dense"
-    assert choose_format("auto", small, CPU, F32) == expected
-    assert choose_format("auto", small.float(), CPU, F32) == "dense"  # an fp32 checkpoint is not rounded
-    assert choose_format("auto", small, CPU, torch.bfloat16) == "dense"
-    assert choose_format("dense", small, CPU, F32) == "dense"
+    assert choose_format("auto", torch.bfloat16, big) == "dense"
+    assert choose_format("auto", torch.bfloat16, small) == expected
+    assert choose_format("auto", torch.float32, small) == "dense"  # an fp32 checkpoint is not rounded
+    assert choose_format("auto", torch.bfloat16, small.bfloat16()) == "dense"  # a bf16 runner
+    assert choose_format("dense", torch.bfloat16, small) == "dense"
+    with pytest.raises(EngineError, match="unknown weights setting"):
+        choose_format("int4", torch.bfloat16, small)
+
+
+@needs_fbgemm
+def test_packed_llama_with_attention_and_mlp_biases_matches_transformers(tmp_path):
+    config = transformers.LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)
+    model.save_pretrained(tmp_path / "biases")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "biases", dtype=torch.float32).eval()
+    runner = ModelRunner(tmp_path / "biases", dtype="float32", device="cpu", num_blocks=8)
+    assert runner.weight_format == "fp16" and runner.model.embed.dtype == torch.bfloat16  # no wide copy kept
+    tokens = random_prompts([40], seed=5)[0]
+    got = runner.prefill([PrefillChunk(tokens, 0, list(range(8)))], all_logits=True)[0]
+    assert rel_err(got, hf_logits(hf, tokens)) < REL_TOL
 
 
 def test_bad_weight_format_is_a_clear_error(cases):
     path = cases["llama_tied"].path
-    with pytest.raises(EngineError, match="unknown weight format"):
+    with pytest.raises(EngineError, match="unknown weights setting"):
         ModelRunner(path, dtype="float32", device="cpu", num_blocks=2, weights="int4")
     with pytest.raises(EngineError, match="float32"):
         ModelRunner(path, dtype="bfloat16", device="cpu", num_blocks=2, weights="fp16")

@@ -142,6 +142,8 @@ def test_bad_checkpoint_folders(tmp_path, tiny_dir, case):
         (["--prompt", "x", "--seed", "-1"], "seed must be in"),
         (["--prompt", "x", "--chunk-size", "0"], "chunk size must be > 0"),
         (["--prompt", "x", "--dtype", "int8"], "unknown dtype 'int8'"),
+        (["--prompt", "x", "--weights", "int4"], "unknown weights setting 'int4'"),
+        (["--prompt", "x", "--weights", "fp16", "--dtype", "bfloat16"], "needs device cpu and dtype float32"),
         (["--prompt-ids", "1,a"], "comma-separated integers"),
         (["--prompt", "x", "--prompt-ids", "1"], "exactly one of --prompt"),
         ([], "exactly one of --prompt"),
