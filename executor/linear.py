@@ -100,7 +100,8 @@ def choose_format(weights: str, stored: torch.dtype, weight: torch.Tensor) -> st
         return weights
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or stored.itemsize != 2:
         return "dense"
-    if not fp16_packing_available() or weight.abs().max().item() > FP16_MAX:
+    lo, hi = torch.aminmax(weight)
+    if not fp16_packing_available() or max(-lo.item(), hi.item()) > FP16_MAX:
         return "dense"
     return "fp16"
 

@@ -82,22 +82,29 @@ class DecoderModel:
         self.config = config
         w = _Weights(state, dtype, device, weights)
         c, self.dtype = config, dtype
-        stored = w.raw("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
-        embed = w.cast(stored)
+        self.embed, self.lm_head = self._embedding_and_head(w, state)
         self.layers = [self._layer(w, i) for i in range(c.num_layers)]
         self.norm = w.take("model.norm.weight", (c.hidden_size,))
-        if c.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-            self.lm_head = w.as_linear(stored.dtype, embed, None)
-        else:
-            self.lm_head = w.linear(["lm_head"], [(c.vocab_size, c.hidden_size)])
-        # the lookup table: shared with a dense tied lm_head, else kept as stored when that is narrower
-        # (a row cast on lookup is exact), so a packed head does not leave a wide copy beside it
-        shared = isinstance(self.lm_head, DenseLinear) and self.lm_head.weight is embed
-        narrower = stored.dtype.itemsize < dtype.itemsize and stored.dtype.is_floating_point
-        self.embed = stored.to(device) if narrower and not shared else embed
         self.weight_formats = sorted(set(w.formats))
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)
+
+    def _embedding_and_head(self, w: _Weights, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Linear]:
+        """The lookup table and the lm_head.  The table is shared with a dense tied head; otherwise it is
+        kept as stored when that is narrower than the model dtype (a row widened on lookup is exact), so
+        a packed head leaves no wide copy of it behind."""
+        c = self.config
+        stored = w.raw("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        wider = stored.is_floating_point() and stored.dtype.itemsize < self.dtype.itemsize
+        narrow = stored.to(w.device) if wider else None
+        if not c.tie_word_embeddings:
+            head = w.linear(["lm_head"], [(c.vocab_size, c.hidden_size)])
+            return (w.cast(stored) if narrow is None else narrow), head
+        state.pop("lm_head.weight", None)
+        embed = w.cast(stored)
+        head = w.as_linear(stored.dtype, embed, None)
+        if isinstance(head, DenseLinear) or narrow is None:
+            return embed, head
+        return narrow, head
 
     def _layer(self, w: _Weights, i: int) -> Layer:
         c, p = self.config, f"model.layers.{i}."

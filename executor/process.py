@@ -124,6 +124,7 @@ class Executor:
 
     def ready(self, model: str) -> Ready:
         r = self.runner
+        dtype = str(r.dtype).removeprefix("torch.")
         return Ready(
             wire_version=WIRE_VERSION,
             pid=os.getpid(),
@@ -135,7 +136,7 @@ class Executor:
             backend=self.backend.name,
             reason=self.backend.reason,
             ladder=list(self.backend.ladder),
-            device=f"{r.device} {self.backend.device} {str(r.dtype).removeprefix('torch.')} weights={r.weight_format}",
+            device=f"{r.device} {self.backend.device} {dtype}, {r.weight_format} matrices",
             model=model,
         )
 

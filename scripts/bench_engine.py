@@ -180,7 +180,7 @@ def main() -> None:
     bw = copy_bandwidth(runner.device)
     result = {
         "model": str(args.model), "architecture": runner.config.architecture, "device": str(runner.device),
-        "dtype": str(runner.dtype).removeprefix("torch."), "weights": runner.weight_format,
+        "dtype": str(runner.dtype).removeprefix("torch."), "matrix_format": runner.weight_format,
         "threads": torch.get_num_threads(),
         "decode_context_tokens": CONTEXT, "weight_bytes": weight_bytes(runner),
         "copy_bandwidth_gb_s": round(bw / 1e9, 2),

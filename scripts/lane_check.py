@@ -218,7 +218,7 @@ def header(backend: PartitionBackend, wl: Workload, args: Any) -> dict[str, Any]
         "unit": backend.unit,
         "model": args.model,
         "dtype": str(wl.runner.dtype).removeprefix("torch."),
-        "weights": wl.runner.weight_format,
+        "matrix_format": wl.runner.weight_format,
         "batch": wl.batch,
         "context": wl.context,
         "prefill_tokens": wl.prefill_tokens,

@@ -90,8 +90,19 @@ def test_auto_keeps_fp32_checkpoints_and_bf16_runners_dense(cases, bf16_checkpoi
     assert dense.weight_format == "dense"
     assert dense.model.lm_head.weight is dense.model.embed  # tied and dense: one tensor
     path, _ = bf16_checkpoints[case.name]
-    assert ModelRunner(path, dtype="float32", device="cpu", num_blocks=2, weights="dense").weight_format == "dense"
+    tied = ModelRunner(path, dtype="float32", device="cpu", num_blocks=2, weights="dense")
+    assert tied.weight_format == "dense" and tied.model.lm_head.weight is tied.model.embed  # one fp32 table
     assert ModelRunner(path, dtype="bfloat16", device="cpu", num_blocks=2).weight_format == "dense"
+
+
+def test_untied_dense_runner_looks_up_a_bf16_table_exactly(bf16_checkpoints):
+    """Untied, weights dense: the table stays bf16 (rows widened on lookup) and logits match transformers."""
+    path, hf = bf16_checkpoints["llama3_untied"]
+    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=8, weights="dense")
+    assert runner.model.embed.dtype == torch.bfloat16 and runner.model.lm_head.weight.dtype == F32
+    tokens = random_prompts([40], seed=6)[0]
+    got = runner.prefill([PrefillChunk(tokens, 0, list(range(8)))], all_logits=True)[0]
+    assert rel_err(got, hf_logits(hf, tokens)) < REL_TOL
 
 
 def test_auto_keeps_values_outside_fp16_range_dense():
