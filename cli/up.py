@@ -40,6 +40,8 @@ def _executor_args(engine: dict[str, Any], partition: str | None) -> list[str]:
         str(engine["dtype"]),
         "--weights",
         str(engine["weights"]),
+        "--attention-backend",
+        str(engine["attention_backend"]),
         "--device",
         str(engine["device"]),
         "--block-size",

@@ -60,6 +60,7 @@ RECV_POLL_S = 0.5
 RUNNER_OPTIONS: tuple[tuple[str, type], ...] = (
     ("dtype", str),
     ("weights", str),
+    ("attention_backend", str),
     ("device", str),
     ("block_size", int),
     ("num_blocks", int),

@@ -1,0 +1,21 @@
+"""`agentserve up` hands the engine settings to the executor process's command line, and it parses them."""
+
+from __future__ import annotations
+
+from agentserve import configs
+from agentserve.cli.up import _executor_args
+from agentserve.executor.__main__ import parse
+
+
+def test_engine_settings_reach_the_model_runner() -> None:
+    engine = configs.load("engine", None, {"engine": {"weights": "dense", "dtype": "float32",
+                                                      "max_model_len": 256, "num_blocks": 12}})["engine"]
+    opts, _ = parse(["--run", "r", "--model", "/m", *_executor_args(engine, "cpu-cores")])
+    assert opts.partition == "cpu-cores" and opts.model_dir == "/m"
+    assert opts.runner == {"dtype": "float32", "weights": "dense", "attention_backend": "torch", "device": "auto",
+                           "block_size": 16, "num_blocks": 12, "max_model_len": 256}
+
+
+def test_unset_engine_settings_keep_the_runner_defaults() -> None:
+    opts, _ = parse(["--run", "r", "--model", "/m"])
+    assert opts.runner == {}
