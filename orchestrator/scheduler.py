@@ -77,6 +77,11 @@ PHASE_RANK = {Phase.COLD: 0, Phase.RESUME: 1, Phase.DECODE: 2}
 _COUNTER = {Finish.ABORT: "aborted", Finish.ERROR: "failed"}  # counter of each end; the rest "finished"
 
 
+def _failed(req: Request, why: str) -> None:
+    """Record the first failure a request meets (the one the client is told)."""
+    req.failure = req.failure or why
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -264,6 +269,7 @@ class Scheduler:
                 sr = sampled.get(req.seq_id)
                 if sr is None or sr.token_id < 0:
                     log.error("result of step %d has no token for seq %d", result.step, req.seq_id)
+                    _failed(req, f"step {result.step} returned no token for it")
                     events.append(self._finish(req, Finish.ERROR, now))
                     continue
                 events.append(self._append(req, sr.token_id, sr.finish, sr.logprob, now))
@@ -292,14 +298,23 @@ class Scheduler:
                         break
                 for req, _, _, _ in (e for p in queue for e in p.entries):
                     req.abort_as = Finish.ERROR
+                    _failed(req, error.message)
             else:
                 continue
             for req, _, _, decode in (e for p in failed for e in p.entries):
+                _failed(req, error.message)
                 if not self._landed(req, decode, now):
                     events.append(self._finish(req, Finish.ERROR, now))
         for seq_id in error.seq_ids:
+            if (req := self.requests.get(seq_id)) is not None:
+                _failed(req, error.message)
             events += self.abort(seq_id, now, Finish.ERROR)
         return events
+
+    def failure(self, seq_id: int) -> str:
+        """Why a turn finished with ``Finish.ERROR`` ("" if it did not, or once it is forgotten)."""
+        req = self.requests.get(seq_id) or self.ended.get(seq_id)
+        return req.failure if req is not None else ""
 
     def cached_tokens(self, seq_id: int) -> int:
         """Prompt tokens of a turn served from the KV cache (0 once the turn is forgotten)."""

@@ -100,7 +100,6 @@ class Server:
         self._poller.register(self.ingress.socket, zmq.POLLIN)
         self._poller.register(self.link.fileno(), zmq.POLLIN)
         self._next_stats = 0.0
-        self._step_error = ""  # the last failed step's message, for the turns it ends
         self.restarting = False  # the executor is loading again after a crash
 
     def _new_scheduler(self, ready: Ready | None) -> Scheduler:
@@ -147,7 +146,6 @@ class Server:
                 self._emit(self.sched.on_result(msg))
             elif isinstance(msg, ExecError):
                 log.warning("executor error at step %d: %s", msg.step, msg.message)
-                self._step_error = msg.message
                 self._emit(self.sched.on_error(msg))
             elif isinstance(msg, ExecutorDown):
                 self._executor_down(msg.reason)
@@ -212,7 +210,7 @@ class Server:
         """A step of the turn failed (the executor lives on): the client gets ``executor_failed``, the
         conversation stays as before the turn, and the scheduler is told the turn ended."""
         seq_id = rec.turn.seq_id  # type: ignore[union-attr]
-        why = f"the executor failed a step of this turn: {self._step_error or 'see the server log'}"
+        why = f"the executor failed a step of this turn: {self.sched.failure(seq_id) or 'see the server log'}"
         self._fail_turn(rec, ErrorCode.EXECUTOR_FAILED, why)
         self.sched.end_turn(seq_id, in_tool_call=False)
 

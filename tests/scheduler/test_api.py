@@ -298,6 +298,7 @@ def test_executor_error_ends_the_failed_step_with_error_and_frees_the_lane():
     events = d.sched.on_error(ExecError("boom", step=plan.step, seq_ids=[seq]), now=d.now)
     assert [(e.seq_id, e.finish) for e in events] == [(seq, Finish.ERROR)]
     assert d.sched.counters["failed"] == 1 and d.sched.counters["aborted"] == 0
+    assert d.sched.failure(seq) == "boom"
     assert d.sched.idle() and d.sched.idle_lanes()
     d.sched.check()
 

@@ -34,6 +34,7 @@ class FakeLink(ExecutorLink):
         super().__init__(ExecutorSpec("fake", ""))
         self.ready = ready(256)
         self.failing = False
+        self.tokenless = False  # results that sample no token (a broken executor)
         self.counting = False
         self.fail_from: int | None = None
         self.sampled: dict[int, int] = {}
@@ -54,7 +55,8 @@ class FakeLink(ExecutorLink):
             for s in sampled:
                 self.sampled[s] = self.sampled.get(s, 0) + 1
             t = time.monotonic()
-            seqs = [SeqResult(s, TOKEN + (self.sampled[s] - 1) * self.counting) for s in sampled]
+            seqs = [SeqResult(s, -1 if self.tokenless else TOKEN + (self.sampled[s] - 1) * self.counting)
+                    for s in sampled]
             reply = Result(msg.step, msg.lane, msg.rung, seqs, t, t)
         self._post(reply)
 

@@ -32,6 +32,21 @@ def test_a_failed_step_ends_the_turn_with_executor_failed_and_the_session_goes_o
     assert not server.sched.ended, "the scheduler was told the failed turn ended"
 
 
+def test_each_failed_turn_is_told_its_own_failure(served) -> None:
+    """A step that failed on the executor, then a result without the token it owed: each turn gets its own
+    reason (not the last executor message)."""
+    endpoint, link, server = served
+    with AgentClient(endpoint) as client, client.session(system="sys") as s:
+        link.failing = True
+        with pytest.raises(ExecutorFailed, match="injected failure"):
+            s.turn("fails on the executor", max_tokens=3, ignore_eos=True).collect()
+        link.failing, link.tokenless = False, True
+        with pytest.raises(ExecutorFailed, match="returned no token") as lost:
+            s.turn("gets no token", max_tokens=3, ignore_eos=True).collect()
+        assert "injected" not in str(lost.value)
+    assert server.sched.counters["failed"] == 2
+
+
 def test_a_turn_a_stop_string_completed_ends_normally_though_a_step_queued_behind_fails(served) -> None:
     """Tokens A, B, C, ...; the stop string "B" completes the turn at its 2nd token while the decode plan
     queued behind (it would sample the 3rd) fails: the turn's text is whole, so it ends with TurnDone."""
