@@ -312,7 +312,7 @@ class Scheduler:
         return events
 
     def failure(self, seq_id: int) -> str:
-        """Why a turn finished with ``Finish.ERROR`` ("" if it did not, or once it is forgotten)."""
+        """Why a turn finished with ``Finish.ERROR`` (asked of ERROR turns only; "" once it is forgotten)."""
         req = self.requests.get(seq_id) or self.ended.get(seq_id)
         return req.failure if req is not None else ""
 

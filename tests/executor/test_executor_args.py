@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
+
 from agentserve import configs
 from agentserve.cli.up import _executor_args
 from agentserve.executor.__main__ import parse
+from agentserve.executor.process import RUNNER_OPTIONS
+from agentserve.executor.runner import ModelRunner
 
 
 def test_engine_settings_reach_the_model_runner() -> None:
     engine = configs.load("engine", None, {"engine": {"weights": "dense", "dtype": "float32",
-                                                      "max_model_len": 256, "num_blocks": 12}})["engine"]
+                                                      "max_model_len": 256, "num_blocks": 12}}, environ={})["engine"]
     opts, _ = parse(["--run", "r", "--model", "/m", *_executor_args(engine, "cpu-cores")])
     assert opts.partition == "cpu-cores" and opts.model_dir == "/m"
     assert opts.runner == {"dtype": "float32", "weights": "dense", "attention_backend": "torch", "device": "auto",
@@ -19,3 +23,8 @@ def test_engine_settings_reach_the_model_runner() -> None:
 def test_unset_engine_settings_keep_the_runner_defaults() -> None:
     opts, _ = parse(["--run", "r", "--model", "/m"])
     assert opts.runner == {}
+
+
+def test_every_forwarded_option_is_a_model_runner_keyword() -> None:
+    keywords = inspect.signature(ModelRunner.__init__).parameters
+    assert [name for name, _ in RUNNER_OPTIONS if name not in keywords] == []

@@ -349,6 +349,7 @@ def test_an_error_for_a_sequence_in_flight_wins_over_a_client_abort():
     d.land()
     assert [(e.seq_id, e.finish) for e in d.events if e.finished] == [(seq, Finish.ERROR)]
     assert d.sched.counters["failed"] == 1 and d.sched.counters["aborted"] == 0
+    assert d.sched.failure(seq) == "boom", "the in-flight sequence named by the error keeps its reason"
     d.sched.check()
 
 
@@ -364,6 +365,7 @@ def test_a_failed_step_with_a_plan_queued_behind_it_ends_once_and_frees_after_bo
     failed, behind = d.pending.pop(0), d.pending.pop(0)
     events = d.sched.on_error(ExecError("boom", failed.step, [seq]), d.now)
     assert [(e.seq_id, e.finish) for e in events] == [(seq, Finish.ERROR)]
+    assert d.sched.failure(seq) == "boom"
     assert d.sched.schedule(d.now) == [], "no Release while the queued plan may still write its blocks"
     d.now = behind.t_end
     assert d.sched.on_result(behind, d.now) == []  # lands quietly: the request already ended
