@@ -28,10 +28,11 @@ class Ladder:
             (r for r in rungs if r.partitioned and r.prefill_units > 0 and r.decode_units > 0),
             key=lambda r: (r.decode_units, r.index),
         )
-        inside = [r for r in split if lo_share - 1e-9 <= self.share(r.index) <= hi_share + 1e-9]
+        # no split rung within the bounds: all of them (bounds narrower than the ladder's steps)
+        control = [r for r in split if lo_share - 1e-9 <= self.share(r.index) <= hi_share + 1e-9] or split
         if hi_share >= 1.0 - 1e-9:
-            inside.append(self.rungs[self.full])
-        self.control = [r.index for r in (inside or split)] or [self.full]
+            control.append(self.rungs[self.full])
+        self.control = [r.index for r in control] or [self.full]
 
     @property
     def partitioned(self) -> bool:

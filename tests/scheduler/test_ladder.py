@@ -22,6 +22,9 @@ def test_gpu_like_ladder_controls_partitioned_rungs_in_bounds():
     assert [capped.share(i) for i in capped.control] == [0.25, 0.375, 0.5, 0.625, 0.75, 0.875]
     assert lad.share(lad.control[lad.nearest(0.5)]) == 0.5
     assert lad.share(lad.control[lad.highest_below(0.7)]) == 0.625
+    # bounds no split rung falls within: every split rung stays controllable, the full rung still on top
+    narrow = Ladder(rungs, 0.95, 1.0)
+    assert [narrow.share(i) for i in narrow.control] == [0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0]
 
 
 def test_two_core_cpu_ladder_from_the_executor():
