@@ -8,10 +8,19 @@ block-table entries the executor does not have yet, and the sampling parameters 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from agentserve.orchestrator.request import Phase, ReqState, Request
 from agentserve.shm.messages import Lane, SamplingParams, SeqPlan
+
+
+class Entry(NamedTuple):
+    """One sequence of a planned step, as the scheduler needs it when the step's result lands."""
+
+    req: Request
+    tokens: int  # tokens fed (at least 1)
+    sample: bool  # the step samples a token for it
+    decode: bool  # fed one decode token (else a prefill chunk)
 
 
 class BatchHost(Protocol):
@@ -31,7 +40,7 @@ class Batch:
     def __init__(self, host: BatchHost, lane: Lane, max_seqs: int, now: float, block_size: int) -> None:
         self.host, self.lane, self.max_seqs, self.now = host, lane, max_seqs, now
         self.block_size = block_size
-        self.entries: list[tuple[Request, int, bool, bool]] = []  # (request, tokens fed, sampled, decode)
+        self.entries: list[Entry] = []
         self.seqs: list[SeqPlan] = []
         self.in_batch: set[int] = set()
         self.num_decode = 0
@@ -86,5 +95,5 @@ class Batch:
         if not req.sampling_sent:
             sampling, req.sampling_sent = self.host.sampling_for(req), True
         self.seqs.append(SeqPlan(req.seq_id, token_ids, start, new_blocks, sample, sampling))
-        self.entries.append((req, len(token_ids) or 1, sample, decode))
+        self.entries.append(Entry(req, len(token_ids) or 1, sample, decode))
         self.in_batch.add(req.seq_id)

@@ -56,7 +56,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from agentserve.orchestrator.batch import Batch
+from agentserve.orchestrator.batch import Batch, Entry
 from agentserve.orchestrator.config import SchedulerConfig, load_config
 from agentserve.orchestrator.events import TokenEvent
 from agentserve.orchestrator.kv_manager import Admit, KVManager
@@ -99,7 +99,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class Inflight:
     __slots__ = ("step", "rung", "entries", "sent")
 
-    def __init__(self, step: int, rung: int, entries: list[tuple[Request, int, bool, bool]], sent: float) -> None:
+    def __init__(self, step: int, rung: int, entries: list[Entry], sent: float) -> None:
         self.step, self.rung, self.entries, self.sent = step, rung, entries, sent
 
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+from agentserve.orchestrator.batch import Entry
 from agentserve.shm.messages import Lane, Result
 
 log = logging.getLogger(__name__)
@@ -36,18 +38,18 @@ class StepTrace:
         except OSError as e:
             raise ValueError(f"cannot write the step trace {self.path}: {e.strerror}") from None
 
-    def record(self, result: Result, entries: list[tuple[object, int, bool, bool]], policy: dict[str, object]) -> None:
-        """One landed step; ``entries`` are its plan's (request, tokens, sample, decode) rows.
+    def record(self, result: Result, entries: Sequence[Entry], policy: dict[str, object]) -> None:
+        """One landed step; ``entries`` are its plan's sequences.
 
         A failed write (disk full) stops the trace with one error in the log; serving goes on."""
         if self._file.closed:
             return
-        decode = sum(1 for e in entries if e[3])
+        decode = sum(1 for e in entries if e.decode)
         line = {
             "step": result.step, "lane": Lane(result.lane).name.lower(), "rung": result.rung,
             "start": result.t_start, "end": result.t_end, "ms": round((result.t_end - result.t_start) * 1e3, 3),
             "gap_ms": round(result.gap_ms, 3), "seqs": len(entries), "decode_seqs": decode,
-            "prefill_tokens": sum(e[1] for e in entries if not e[3]), "policy": policy,
+            "prefill_tokens": sum(e.tokens for e in entries if not e.decode), "policy": policy,
         }
         try:
             self._file.write(json.dumps(line, default=str) + "\n")
