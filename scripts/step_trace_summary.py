@@ -20,8 +20,12 @@ LONG_PREFILL = 256  # prefill tokens from which a step beside decode counts as a
 
 
 def quantile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default, as ``agentserve bench`` reports)."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def beside(step: dict, prefill_steps: list[dict], starts: list[float]) -> str:
