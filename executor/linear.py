@@ -47,14 +47,13 @@ class DenseLinear:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)
+        return sum(t.nbytes for t in (self.weight, self.bias) if t is not None)
 
 
 class PackedFp16Linear:
     """``x @ weight.T + bias`` for fp32 ``x`` with ``weight`` held as packed fp16 (x86 CPUs, FBGEMM)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.out_features, self.in_features = weight.shape
         b = None if bias is None else bias.float()
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), b)
         self._nbytes = weight.numel() * 2 + (0 if b is None else b.numel() * 4)
@@ -79,10 +78,14 @@ def fp16_packing_available() -> bool:
         return False
 
 
-def check_weights(weights: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Fail early for a ``weights`` setting this device, dtype or build cannot run."""
+def _known(weights: str) -> None:
     if weights not in WEIGHTS_SETTINGS:
         raise EngineError(f"unknown weights setting {weights!r}; use {', '.join(WEIGHTS_SETTINGS)}")
+
+
+def check_weights(weights: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Fail early for a ``weights`` setting this device, dtype or build cannot run."""
+    _known(weights)
     if weights != "fp16":
         return
     if device.type != "cpu" or dtype != torch.float32:
@@ -94,22 +97,16 @@ def check_weights(weights: str, device: torch.device, dtype: torch.dtype) -> Non
 
 def choose_format(weights: str, stored: torch.dtype, weight: torch.Tensor) -> str:
     """``dense`` or ``fp16`` for one matrix, ``weight`` in the model dtype, ``stored`` its checkpoint dtype."""
-    if weights not in WEIGHTS_SETTINGS:
-        raise EngineError(f"unknown weights setting {weights!r}; use {', '.join(WEIGHTS_SETTINGS)}")
+    _known(weights)
     if weights != "auto":
         return weights
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or stored.itemsize != 2:
+    cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+    if not cpu_fp32 or stored.itemsize != 2 or not fp16_packing_available():
         return "dense"
     lo, hi = torch.aminmax(weight)
-    if not fp16_packing_available() or max(-lo.item(), hi.item()) > FP16_MAX:
-        return "dense"
-    return "fp16"
+    return "dense" if max(-lo.item(), hi.item()) > FP16_MAX else "fp16"
 
 
 def make_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-    """A matrix in a concrete format (``dense`` or ``fp16``); tensors already in the model dtype."""
-    if fmt == "fp16":
-        return PackedFp16Linear(weight, bias)
-    if fmt == "dense":
-        return DenseLinear(weight, bias)
-    raise EngineError(f"no matrix format {fmt!r}")
+    """A matrix in the format :func:`choose_format` picked; tensors already in the model dtype."""
+    return PackedFp16Linear(weight, bias) if fmt == "fp16" else DenseLinear(weight, bias)

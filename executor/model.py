@@ -38,7 +38,7 @@ class _Weights:
     def __init__(self, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                  weights: str) -> None:
         self.state, self.dtype, self.device, self.weights = state, dtype, device, weights
-        self.formats: list[str] = []  # the format of every matrix made, in order
+        self.formats: set[str] = set()  # the formats of the matrices made
 
     def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.state:
@@ -58,12 +58,12 @@ class _Weights:
         """The matrices ``names`` (``.weight`` appended) fused along rows, with their ``.bias`` if ``bias``."""
         source = torch.cat([self.raw(n + ".weight", s) for n, s in zip(names, shapes, strict=True)])
         b = torch.cat([self.raw(n + ".bias", s[:1]) for n, s in zip(names, shapes, strict=True)]) if bias else None
-        return self.as_linear(source.dtype, self.cast(source).contiguous(), None if b is None else self.cast(b))
+        return self.as_linear(source.dtype, self.cast(source), None if b is None else self.cast(b))
 
     def as_linear(self, stored: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         """``weight`` (in the model dtype; ``stored`` in the checkpoint) as a matrix in its chosen format."""
         fmt = choose_format(self.weights, stored, weight)
-        self.formats.append(fmt)
+        self.formats.add(fmt)
         return make_linear(fmt, weight, bias)
 
 
@@ -82,13 +82,13 @@ class DecoderModel:
         self.config = config
         w = _Weights(state, dtype, device, weights)
         c, self.dtype = config, dtype
-        self.embed, self.lm_head = self._embedding_and_head(w, state)
+        self.embed, self.lm_head = self._embedding_and_head(w)
         self.layers = [self._layer(w, i) for i in range(c.num_layers)]
         self.norm = w.take("model.norm.weight", (c.hidden_size,))
-        self.weight_formats = sorted(set(w.formats))
+        self.weight_formats = sorted(w.formats)
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)
 
-    def _embedding_and_head(self, w: _Weights, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Linear]:
+    def _embedding_and_head(self, w: _Weights) -> tuple[torch.Tensor, Linear]:
         """The lookup table and the lm_head.  The table is shared with a dense tied head; otherwise it is
         kept as stored when that is narrower than the model dtype (a row widened on lookup is exact), so
         a packed head leaves no wide copy of it behind."""
@@ -99,7 +99,7 @@ class DecoderModel:
         if not c.tie_word_embeddings:
             head = w.linear(["lm_head"], [(c.vocab_size, c.hidden_size)])
             return (w.cast(stored) if narrow is None else narrow), head
-        state.pop("lm_head.weight", None)
+        w.state.pop("lm_head.weight", None)
         embed = w.cast(stored)
         head = w.as_linear(stored.dtype, embed, None)
         if isinstance(head, DenseLinear) or narrow is None:

@@ -62,15 +62,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
 
 def weight_bytes(runner: ModelRunner) -> int:
     """Bytes a decode step must stream: every layer matrix and norm and the lm_head (not the embedding)."""
-    m = runner.model
-    total = m.norm.numel() * m.norm.element_size() + m.lm_head.nbytes
-    for layer in m.layers:
-        for part in vars(layer).values():
-            if isinstance(part, torch.Tensor):
-                total += part.numel() * part.element_size()
-            elif part is not None:
-                total += part.nbytes
-    return total
+    m = runner.model  # tensors and Linear matrices both have .nbytes
+    return m.norm.nbytes + m.lm_head.nbytes + sum(p.nbytes for x in m.layers for p in vars(x).values() if p is not None)
 
 
 def tokens(n: int, vocab: int, seed: int) -> list[int]:

@@ -210,8 +210,8 @@ class TorchAttention(AttentionBackend):
         for r0 in range(0, n, rows):
             r1, keys = min(n, r0 + rows), start + min(n, r0 + rows)  # keys past the block's last row are masked
             qb = qh[:, :, r0:r1].reshape(1, kvh, g * (r1 - r0), d)
-            mask = torch.full((r1 - r0, keys), float("-inf"), dtype=q.dtype, device=q.device).triu_(start + r0 + 1)
-            ob, _ = _flash_cpu(qb, kh[:, :, :keys], vh[:, :, :keys], attn_mask=mask.repeat(g, 1)[None, None],
-                               scale=self.scale)
+            mask = torch.full((g, r1 - r0, keys), float("-inf"), dtype=q.dtype, device=q.device)  # per group row
+            mask = mask.triu_(start + r0 + 1).view(1, 1, g * (r1 - r0), keys)
+            ob, _ = _flash_cpu(qb, kh[:, :, :keys], vh[:, :, :keys], attn_mask=mask, scale=self.scale)
             out[r0:r1] = ob.view(kvh, g, r1 - r0, d).permute(2, 0, 1, 3)
         return out.view(n, self.num_heads, d)
