@@ -11,6 +11,7 @@ import transformers
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
 VOCAB = 300
+REL_TOL = 1e-4  # max |got - ref| / max |ref| for fp32 logits against transformers
 COMMON = dict(
     hidden_size=64,
     intermediate_size=160,
@@ -74,6 +75,10 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_new: i
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                              min_new_tokens=max_new, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).abs().max() / ref.abs().max()).item()
 
 
 def hf_logits(model: transformers.PreTrainedModel, tokens: list[int]) -> torch.Tensor:

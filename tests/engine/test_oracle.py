@@ -5,21 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import MAX_NEW
-from engine_helpers import ARCH, GreedyDriver, greedy_generate, hf_greedy, hf_logits, random_prompts
+from engine_helpers import ARCH, REL_TOL, GreedyDriver, greedy_generate, hf_greedy, hf_logits, random_prompts, rel_err
 
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
-
-REL_TOL = 1e-4
 
 
 def fp32_runner(case, num_blocks: int = 64, block_size: int = 16) -> ModelRunner:
     runner = ModelRunner(case.path, dtype="float32", device="cpu", num_blocks=num_blocks, block_size=block_size)
     assert runner.config.architecture == ARCH[case.name]
     return runner
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got - ref).abs().max() / ref.abs().max()).item()
 
 
 def test_greedy_batch_matches_transformers(case):

@@ -9,19 +9,23 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import MAX_NEW
-from engine_helpers import COMMON, GreedyDriver, greedy_generate, hf_greedy, hf_logits, random_prompts
+from engine_helpers import (
+    COMMON,
+    REL_TOL,
+    GreedyDriver,
+    greedy_generate,
+    hf_greedy,
+    hf_logits,
+    random_prompts,
+    rel_err,
+)
 
 from agentserve.executor.errors import EngineError
 from agentserve.executor.linear import PackedFp16Linear, choose_format, fp16_packing_available
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
 needs_fbgemm = pytest.mark.skipif(not fp16_packing_available(), reason="no FBGEMM fp16 linear in this build/CPU")
-REL_TOL = 1e-4
-CPU, F32 = torch.device("cpu"), torch.float32
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got - ref).abs().max() / ref.abs().max()).item()
+F32 = torch.float32
 
 
 @pytest.fixture(scope="module")

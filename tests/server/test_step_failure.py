@@ -50,7 +50,7 @@ def test_each_failed_turn_is_told_its_own_failure(served) -> None:
 def test_a_turn_a_stop_string_completed_ends_normally_though_a_step_queued_behind_fails(served) -> None:
     """Tokens A, B, C, ...; the stop string "B" completes the turn at its 2nd token while the decode plan
     queued behind (it would sample the 3rd) fails: the turn's text is whole, so it ends with TurnDone."""
-    endpoint, link, server = served
+    endpoint, link, _ = served
     link.counting, link.fail_from = True, 3
     with AgentClient(endpoint) as client, client.session(system="sys") as s:
         got = s.turn("spell", max_tokens=8, ignore_eos=True, stop=["B"]).collect()
