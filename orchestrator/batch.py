@@ -8,19 +8,15 @@ block-table entries the executor does not have yet, and the sampling parameters 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from agentserve.orchestrator.request import Phase, ReqState, Request
 from agentserve.shm.messages import Lane, SamplingParams, SeqPlan
 
-
-class Entry(NamedTuple):
-    """One sequence of a planned step, as the scheduler needs it when the step's result lands."""
-
-    req: Request
-    tokens: int  # tokens fed (at least 1)
-    sample: bool  # the step samples a token for it
-    decode: bool  # fed one decode token (else a prefill chunk)
+# One sequence of a planned step, as the scheduler needs it when the step's result lands:
+# (request, tokens fed (at least 1), the step samples a token for it, fed one decode token).
+# A plain tuple: one is built per sequence per step, on the scheduler's hot path.
+Entry = tuple[Request, int, bool, bool]
 
 
 class BatchHost(Protocol):
@@ -95,5 +91,5 @@ class Batch:
         if not req.sampling_sent:
             sampling, req.sampling_sent = self.host.sampling_for(req), True
         self.seqs.append(SeqPlan(req.seq_id, token_ids, start, new_blocks, sample, sampling))
-        self.entries.append(Entry(req, len(token_ids) or 1, sample, decode))
+        self.entries.append((req, len(token_ids) or 1, sample, decode))
         self.in_batch.add(req.seq_id)

@@ -53,6 +53,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -110,9 +111,11 @@ class Scheduler:
         ready: Ready,
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_landed: Callable[[Result, list[Entry], dict[str, Any]], None] | None = None,
     ) -> None:
         self.config = config or load_config()
         self.clock = clock
+        self.on_landed = on_landed  # told of each landed step: its result, its plan's entries, the policy state
         cc = self.config.controller
         self.ladder = Ladder(ready.ladder, cc.r_min_lo_share, cc.r_min_hi_share)
         self.policy = make_policy(policy, self.config, self.ladder) if isinstance(policy, str) else policy
@@ -257,6 +260,8 @@ class Scheduler:
         events = self.take_events()
         if inflight is None:
             return events
+        if self.on_landed is not None:
+            self.on_landed(result, inflight.entries, self.policy.stats())
         sampled = {s.seq_id: s for s in result.seqs}
         bs = self.kv.block_size
         for req, n, sample, decode in inflight.entries:
@@ -394,17 +399,13 @@ class Scheduler:
             return None
         return self.ladder.full if self.ladder.full in rungs else rungs[-1]
 
-    def planned(self, lane: Lane, step: int) -> Inflight | None:
-        """The plan a result of ``step`` on ``lane`` answers, before it lands (None: no such plan next)."""
-        queue = self.lanes.get(lane)
-        return queue[0] if queue and queue[0].step == step else None
-
     def _land(self, lane: Lane, step: int) -> Inflight | None:
         """The plan this result answers; None (logged) for a result of no plan we still track."""
-        if self.planned(lane, step) is None:
+        queue = self.lanes.get(lane)
+        if not queue or queue[0].step != step:
             log.error("result for step %d on lane %s, which has no such plan next: ignored", step, lane.name)
             return None
-        return self.lanes[lane].popleft()
+        return queue.popleft()
 
     def _append(self, req: Request, token: int, finish: Finish, logprob: float, now: float) -> TokenEvent:
         req.tokens.append(token)

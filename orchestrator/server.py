@@ -104,7 +104,8 @@ class Server:
 
     def _new_scheduler(self, ready: Ready | None) -> Scheduler:
         assert ready is not None
-        return Scheduler(self.options.policy, ready, self.options.scheduler_config, clock=self.clock)
+        record = self.trace.record if self.trace is not None else None
+        return Scheduler(self.options.policy, ready, self.options.scheduler_config, clock=self.clock, on_landed=record)
 
     # ---- the loop ----------------------------------------------------------------------------
     def stop(self) -> None:
@@ -141,8 +142,6 @@ class Server:
         for msg in msgs:
             if isinstance(msg, Result):
                 self.publisher.on_result(msg)
-                if self.trace is not None and (plan := self.sched.planned(msg.lane, msg.step)) is not None:
-                    self.trace.record(msg, plan.entries, self.sched.policy.stats())  # (untracked: logged on landing)
                 self._emit(self.sched.on_result(msg))
             elif isinstance(msg, ExecError):
                 log.warning("executor error at step %d: %s", msg.step, msg.message)

@@ -44,12 +44,13 @@ class StepTrace:
         A failed write (disk full) stops the trace with one error in the log; serving goes on."""
         if self._file.closed:
             return
-        decode = sum(1 for e in entries if e.decode)
+        decode = sum(1 for _, _, _, is_decode in entries if is_decode)
+        prefill = sum(n for _, n, _, is_decode in entries if not is_decode)
         line = {
             "step": result.step, "lane": Lane(result.lane).name.lower(), "rung": result.rung,
             "start": result.t_start, "end": result.t_end, "ms": round((result.t_end - result.t_start) * 1e3, 3),
             "gap_ms": round(result.gap_ms, 3), "seqs": len(entries), "decode_seqs": decode,
-            "prefill_tokens": sum(e.tokens for e in entries if not e.decode), "policy": policy,
+            "prefill_tokens": prefill, "policy": policy,
         }
         try:
             self._file.write(json.dumps(line, default=str) + "\n")
