@@ -41,7 +41,7 @@ class Request:
         "num_computed", "block_table", "hashes", "keys", "hit_cache", "deferred_on", "num_sealed",
         "num_ready", "blocks_sent", "sampling_sent", "inflight", "ahead", "had_kv",
         "num_output", "first_token_t", "last_token_t", "queued_since", "first_service_t", "finish",
-        "abort_as", "failure", "end_tool", "num_cached", "preemptions",
+        "abort_pending", "failure", "end_tool", "num_cached", "preemptions",
     )  # fmt: skip
 
     def __init__(
@@ -81,8 +81,8 @@ class Request:
         self.queued_since = arrival
         self.first_service_t: float | None = None
         self.finish = Finish.NONE
-        self.abort_as = Finish.NONE  # ABORT / ERROR: to finish so once its plans in flight are back
-        self.failure = ""  # why it finished (or will) with ERROR: the first failure it met
+        self.abort_pending = False  # to finish once its plans in flight are back
+        self.failure = ""  # the first failure it met: it finishes with ERROR (else an abort is ABORT)
         self.end_tool: bool | None = None  # end_turn() came while in flight: its in_tool_call
         self.num_cached = 0  # prompt tokens found cached at the last admission
         self.preemptions = 0

@@ -23,8 +23,9 @@ Public API (all ``now`` arguments default to ``clock()``):
   whole conversation (the cached part is kept up to the first differing block).  Returns the
   turn's ``seq_id``.  Raises ``ValueError`` for a prompt that can never fit, ``KeyError`` for an
   unknown session, ``RuntimeError`` when the session already runs a turn.
-- ``abort(seq_id, now=None, reason=Finish.ABORT) -> list[TokenEvent]`` — stop a turn (at once, or when
-  its step returns); ``Finish.ERROR``: a step of it failed (wins over a pending ABORT).
+- ``abort(seq_id, now=None, failure=None) -> list[TokenEvent]`` — stop a turn (at once, or when its step
+  returns) with ``Finish.ABORT``; with ``failure`` (a step of it failed) ``Finish.ERROR``, which wins
+  over a pending abort.  ``failure(seq_id)`` is that reason.
 - ``end_turn(seq_id, in_tool_call, now=None)`` — the turn's output was parsed: in a tool call, the
   session's blocks stay pinned for a TTL learned from its tool latencies; otherwise released.
 - ``close_session(session_id, now=None) -> list[TokenEvent]`` — abort its turn, free its blocks.
@@ -79,8 +80,13 @@ _COUNTER = {Finish.ABORT: "aborted", Finish.ERROR: "failed"}  # counter of each 
 
 
 def _failed(req: Request, why: str) -> None:
-    """Record the first failure a request meets (the one the client is told)."""
-    req.failure = req.failure or why
+    """Record the first failure a request meets (the one the client is told); it will end with ERROR."""
+    req.failure = req.failure or why or "no reason given (see the server log)"
+
+
+def _stop_reason(req: Request) -> Finish:
+    """How a stopped request ends: ERROR once a step of it failed (that wins over a client's abort)."""
+    return Finish.ERROR if req.failure else Finish.ABORT
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -184,18 +190,19 @@ class Scheduler:
         self.q.push_waiting(req)
         return req.seq_id
 
-    def abort(self, seq_id: int, now: float | None = None, reason: Finish = Finish.ABORT) -> list[TokenEvent]:
-        """Stop a running request: now, or (plans in flight) when they are back. ``reason``: ABORT (asked
-        for) or ERROR (a step of it failed; wins over ABORT)."""
+    def abort(self, seq_id: int, now: float | None = None, failure: str | None = None) -> list[TokenEvent]:
+        """Stop a running request: now, or (plans in flight) when they are back.  It ends with ABORT, or
+        with ERROR when ``failure`` (a step of it failed) or an earlier failure is recorded."""
         now = self.clock() if now is None else now
         req = self.requests.get(seq_id)
         if req is None:
             return []
+        if failure is not None:
+            _failed(req, failure)
         if req.inflight:
-            if req.abort_as is not Finish.ERROR:
-                req.abort_as = reason
+            req.abort_pending = True
             return []
-        return [self._finish(req, reason, now)]
+        return [self._finish(req, _stop_reason(req), now)]
 
     def end_turn(self, seq_id: int, in_tool_call: bool, now: float | None = None) -> None:
         now = self.clock() if now is None else now
@@ -278,8 +285,8 @@ class Scheduler:
                     events.append(self._finish(req, Finish.ERROR, now))
                     continue
                 events.append(self._append(req, sr.token_id, sr.finish, sr.logprob, now))
-            if req.abort_as is not Finish.NONE and req.state is not ReqState.FINISHED:
-                events.append(self._finish(req, req.abort_as, now))
+            if req.abort_pending and req.state is not ReqState.FINISHED:
+                events.append(self._finish(req, _stop_reason(req), now))
         return events
 
     def on_error(self, error: ExecError, now: float | None = None) -> list[TokenEvent]:
@@ -302,7 +309,7 @@ class Scheduler:
                     if failed[-1].step == error.step:
                         break
                 for req, _, _, _ in (e for p in queue for e in p.entries):
-                    req.abort_as = Finish.ERROR
+                    req.abort_pending = True
                     _failed(req, error.message)
             else:
                 continue
@@ -311,9 +318,7 @@ class Scheduler:
                 if not self._landed(req, decode, now):
                     events.append(self._finish(req, Finish.ERROR, now))
         for seq_id in error.seq_ids:
-            if (req := self.requests.get(seq_id)) is not None:
-                _failed(req, error.message)
-            events += self.abort(seq_id, now, Finish.ERROR)
+            events += self.abort(seq_id, now, failure=error.message)
         return events
 
     def failure(self, seq_id: int) -> str:

@@ -209,7 +209,7 @@ class Server:
         """A step of the turn failed (the executor lives on): the client gets ``executor_failed``, the
         conversation stays as before the turn, and the scheduler is told the turn ended."""
         seq_id = rec.turn.seq_id  # type: ignore[union-attr]
-        why = f"the executor failed a step of this turn: {self.sched.failure(seq_id) or 'see the server log'}"
+        why = f"the executor failed a step of this turn: {self.sched.failure(seq_id)}"
         self._fail_turn(rec, ErrorCode.EXECUTOR_FAILED, why)
         self.sched.end_turn(seq_id, in_tool_call=False)
 
