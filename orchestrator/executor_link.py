@@ -89,7 +89,6 @@ class ExecutorLink:
         self._reader: threading.Thread | None = None
         self._starter: threading.Thread | None = None
         self._cancel = threading.Event()
-        self._loading = False  # spawned, not ready yet: it does not read the plan ring
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout: float = 600.0, progress: Callable[[float], None] | None = None) -> Ready:
@@ -105,9 +104,11 @@ class ExecutorLink:
         # its own session: a Ctrl-C in the terminal reaches only the orchestrator, which stops it in order
         self.proc = subprocess.Popen(self.spec.command(role), stdin=subprocess.DEVNULL, start_new_session=True)
         self.pair.expect_peer(self.proc.pid)
-        self._loading = True
-        self.ready = self._await_ready(timeout, progress)
-        self._loading = False
+        try:
+            self.ready = self._await_ready(timeout, progress)
+        except BaseException:  # failed, cancelled or interrupted while loading: it would not read a Shutdown
+            self.proc.kill()
+            raise
         if self.ready.wire_version != WIRE_VERSION:
             raise ExecutorStartError(f"executor speaks ring protocol {self.ready.wire_version}, not {WIRE_VERSION}")
         return self.ready
@@ -162,8 +163,6 @@ class ExecutorLink:
             self._starter = None
             self._cancel.clear()
         code = None
-        if self.proc is not None and self._loading and self.proc.poll() is None:
-            self.proc.kill()  # still loading: it would not read a Shutdown
         if self.proc is not None:
             if self.proc.poll() is None and self.pair is not None:
                 try:
@@ -175,7 +174,7 @@ class ExecutorLink:
             self.pair.close()  # wakes the reader thread with RingClosed
         if self._reader is not None:
             self._reader.join(timeout=2.0)
-        self.pair, self.proc, self._reader, self._loading = None, None, None, False
+        self.pair, self.proc, self._reader = None, None, None
         return code
 
     def _reap(self, timeout: float) -> int:
