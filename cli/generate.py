@@ -14,15 +14,11 @@ from typing import Any
 import click
 
 from agentserve import configs
+from agentserve.cli.engine_options import engine_config, engine_flags
 from agentserve.cli.prompts import Prompt, load_prompts_file, parse_ids
 from agentserve.configs.logging import setup_logging
 
 EXIT_BAD_INPUT = 2
-
-
-def _engine_config(config_file: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
-    given = {k: v for k, v in overrides.items() if v is not None}
-    return configs.load("engine", config_file, {"engine": given})["engine"]
 
 
 def _encode(prompt: Prompt, tokenizer: Any, chat: bool) -> list[int]:
@@ -84,7 +80,7 @@ def run_generate(opts: dict[str, Any]) -> None:
     from agentserve.shm.messages import SamplingParams
 
     given = {k: opts[k] for k in ("model", "dtype", "weights", "device")} | {"prefill_chunk_size": opts["chunk_size"]}
-    engine = _engine_config(opts["config_file"], given)
+    engine = engine_config(opts["config_file"], given)
     path = resolve_model(str(engine["model"]), str(engine["cache_dir"]) or None)
     load_config(path)  # unknown architecture / bad config.json: fail before loading weights
     needs_text = any(p.ids is None for p in opts["prompts"]) or (path / "tokenizer.json").exists()
@@ -131,9 +127,7 @@ def _collect_prompts(text: tuple[str, ...], ids: str | None, file: str | None) -
 @click.option("--chunk-size", type=int, default=None, help="Prefill chunk tokens [default: engine.toml]")
 @click.option("--chat", is_flag=True, help="Wrap text prompts as a user message in the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
-@click.option("--dtype", default=None, help="auto | bfloat16 | float16 | float32")
-@click.option("--weights", default=None, help="auto | dense | fp16 (packed fp16 matrices on CPU; see engine.toml)")
-@click.option("--device", default=None, help="auto | cpu | cuda")
+@engine_flags
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="A TOML file.")
 @click.option("--log-level", default="WARNING", show_default=True)
 def generate(prompt_text: tuple[str, ...], prompt_ids: str | None, prompts_file: str | None, **opts: Any) -> None:

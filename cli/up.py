@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from agentserve import configs
+from agentserve.cli.engine_options import engine_config, engine_flags
 from agentserve.configs.logging import setup_logging
 from agentserve.orchestrator.config import load_config
 from agentserve.orchestrator.endpoints import EndpointError, default_endpoint
@@ -35,24 +36,14 @@ log = logging.getLogger("agentserve.up")
 
 
 def _executor_args(engine: dict[str, Any], partition: str | None) -> list[str]:
-    args = [
-        "--dtype",
-        str(engine["dtype"]),
-        "--weights",
-        str(engine["weights"]),
-        "--attention-backend",
-        str(engine["attention_backend"]),
-        "--device",
-        str(engine["device"]),
-        "--block-size",
-        str(engine["block_size"]),
-    ]
-    if engine.get("num_blocks"):
-        args += ["--num-blocks", str(engine["num_blocks"])]
+    args: list[str] = []
+    for key in ("dtype", "weights", "attention_backend", "device", "block_size"):
+        args += ["--" + key.replace("_", "-"), str(engine[key])]
+    for key in ("num_blocks", "max_model_len"):  # 0 / unset: the executor derives them
+        if engine.get(key):
+            args += ["--" + key.replace("_", "-"), str(engine[key])]
     if engine.get("kv_cache_memory_gb"):
         args += ["--kv-cache-bytes", str(int(float(engine["kv_cache_memory_gb"]) * 2**30))]
-    if engine.get("max_model_len"):
-        args += ["--max-model-len", str(engine["max_model_len"])]
     if partition:
         args += ["--partition", partition]
     return args
@@ -72,9 +63,7 @@ def _resolve_model(name: str, cache_dir: str) -> str:
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="A TOML file.")
 @click.option("--tpot-slo-ms", type=float, default=None, help="TPOT target the controller steers by.")
 @click.option("--ttft-slo-ms", type=float, default=None, help="TTFT objective (reported).")
-@click.option("--dtype", default=None, help="auto | bfloat16 | float16 | float32")
-@click.option("--weights", default=None, help="auto | dense | fp16 (packed fp16 matrices on CPU; see engine.toml)")
-@click.option("--device", default=None, help="auto | cpu | cuda")
+@engine_flags
 @click.option("--num-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory).")
 @click.option("--kv-cache-gb", type=float, default=None, help="KV cache size in GiB.")
 @click.option("--max-model-len", type=int, default=None, help="Context length cap.")
@@ -100,22 +89,8 @@ def up(**opts: Any) -> None:
 
 
 def _configs(opts: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    engine_overrides = {
-        "engine": {
-            k: v
-            for k, v in {
-                "model": opts["model"],
-                "dtype": opts["dtype"],
-                "weights": opts["weights"],
-                "device": opts["device"],
-                "num_blocks": opts["num_blocks"],
-                "kv_cache_memory_gb": opts["kv_cache_gb"],
-                "max_model_len": opts["max_model_len"],
-            }.items()
-            if v is not None
-        }
-    }
-    engine = configs.load("engine", opts["config_file"], engine_overrides)["engine"]
+    given = {k: opts[k] for k in ("model", "dtype", "weights", "device", "num_blocks", "max_model_len")}
+    engine = engine_config(opts["config_file"], given | {"kv_cache_memory_gb": opts["kv_cache_gb"]})
     sched_overrides: dict[str, Any] = {}
     if opts["policy"]:
         sched_overrides["scheduler"] = {"policy": opts["policy"]}
