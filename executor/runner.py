@@ -104,7 +104,7 @@ class ModelRunner:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
         max_model_len: int | None = None,
         weights: str = "auto",
     ) -> None:
@@ -131,7 +131,8 @@ class ModelRunner:
             self.device,
         )
         self.attention = create_backend(
-            attention_backend, config.num_heads, config.num_kv_heads, config.head_dim, block_size, self.device
+            attention_backend, config.num_heads, config.num_kv_heads, config.head_dim, block_size, self.device,
+            self.dtype,
         )
         log.info(
             "loaded %s (%s) on %s as %s, %s weights; KV cache %d blocks x %d tokens (%.1f MiB)",

@@ -1,7 +1,9 @@
 """Paged attention in plain PyTorch (CPU and CUDA): gather a sequence's K/V from its blocks, then attend.
 
-Decode uses ``scaled_dot_product_attention`` everywhere; on CPU a prefix of blocks shared by the whole
-batch (agents' common system prompt) is attended once for all of it (:mod:`.cascade`).
+Decode on a CPU in fp32 runs the compiled paged-decode kernel where one was given (:mod:`.cpu_kernel`:
+keys read in place from their blocks).  Otherwise it uses ``scaled_dot_product_attention`` on gathered
+K/V; on CPU a prefix of blocks shared by the whole batch (agents' common system prompt) is then attended
+once for all of it (:mod:`.cascade`).
 
 Prefill uses SDPA on CUDA.  On CPU it calls SDPA's flash kernel directly with each KV head's query group
 folded into rows (K/V read once per group, never repeated) and an additive causal mask, in query blocks
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from agentserve.executor.attention import cascade
 from agentserve.executor.attention.base import AttentionBackend, AttentionBatch
+from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
 
 CPU_MASK_BYTES = 16 << 20  # cap on one query block's additive mask (rows x keys)
 CPU_ROW_BLOCK = 256  # query rows per block: smaller blocks skip more of the masked upper triangle
@@ -45,7 +48,8 @@ class _PrefillPlan:
 class _DecodePlan:
     slots: torch.Tensor
     block_tables: torch.Tensor  # [B, max_blocks] each row's own blocks (padded with block 0, masked out)
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
+    lens: torch.Tensor  # [B] int64 tokens of each row's own blocks
+    mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool; None for the kernel (reads lens)
     shared: torch.Tensor | None = None  # [P] blocks every row starts with (cascade), else None
     shared_run: int | None = None  # first block when ``shared`` is one run of consecutive blocks (a view)
     additive: torch.Tensor | None = None  # ``mask`` as 0 / -inf in the query dtype (cascade; made once)
@@ -85,12 +89,14 @@ class TorchAttention(AttentionBackend):
     """Reference backend. GQA runs without repeating K/V: each KV head's query group is folded into rows."""
 
     def __init__(self, *args, sdpa_prefill: bool | None = None, cascade_decode: bool | None = None,
-                 **kwargs) -> None:
+                 decode_kernel: PagedDecodeKernel | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.group = self.num_heads // self.num_kv_heads
         self.sdpa_prefill = self.device.type == "cuda" if sdpa_prefill is None else sdpa_prefill
+        self.decode_kernel = decode_kernel  # fp32 CPU caches only: the caller checks
         # cascade needs the log-sum-exp of each partial attention: CPU's flash kernel returns it
         self.cascade_decode = self.device.type == "cpu" if cascade_decode is None else cascade_decode
+        self.cascade_decode &= decode_kernel is None  # the kernel reads a shared prefix from cache each time
 
     def plan(self, batch: AttentionBatch) -> _PrefillPlan | _DecodePlan:
         slots = batch.slot_mapping.to(self.device, non_blocking=True)
@@ -135,9 +141,11 @@ class TorchAttention(AttentionBackend):
         padded = [r + [0] * (width - len(r)) for r in rows]
         tables = torch.tensor(padded, dtype=torch.int64).to(self.device, non_blocking=True)
         lens = torch.tensor(seq_lens, dtype=torch.int64).to(self.device, non_blocking=True)
-        span = torch.arange(width * bs, device=self.device)
-        mask = (span[None, :] < lens[:, None])[:, None, None, :]
-        return _DecodePlan(slots, tables, mask, shared, run)
+        mask = None
+        if self.decode_kernel is None:
+            span = torch.arange(width * bs, device=self.device)
+            mask = (span[None, :] < lens[:, None])[:, None, None, :]
+        return _DecodePlan(slots, tables, lens, mask, shared, run)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: _PrefillPlan | _DecodePlan) -> torch.Tensor:
@@ -161,6 +169,10 @@ class TorchAttention(AttentionBackend):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: _DecodePlan) -> torch.Tensor:
         b = q.shape[0]
+        if self.decode_kernel is not None:
+            out = self.decode_kernel(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.lens, self.scale,
+                                     torch.get_num_threads())
+            return out.view(b, -1)
         kc = _gather(k_cache, meta.block_tables).transpose(1, 2)  # [B, kv_heads, S, D]
         vc = _gather(v_cache, meta.block_tables).transpose(1, 2)
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
