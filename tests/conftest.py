@@ -9,6 +9,15 @@ import pytest
 SHM_DIR = "/dev/shm"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def kernel_build_dir(tmp_path_factory):
+    """The compiled CPU decode kernel is built into this session's temporary folder, not the user's cache
+    (servers the tests start inherit the variable)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AGENTSERVE_KERNEL_DIR", str(tmp_path_factory.mktemp("kernels")))
+        yield
+
+
 def _our_segments() -> set[str]:
     if not os.path.isdir(SHM_DIR):
         return set()

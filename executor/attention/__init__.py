@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def create_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype,
 ) -> AttentionBackend:
     """Instantiate the attention backend called ``name`` for a KV cache of ``dtype`` on ``device``."""
     if name not in BACKENDS:
@@ -46,8 +46,8 @@ def _decode_kernel(name: str, num_heads: int, num_kv_heads: int, head_dim: int, 
         if (kernel := cpu_kernel.load()) is None:
             why = "it could not be built (see the log)"
         elif not kernel.supports(num_heads, num_kv_heads, head_dim, block_size):
-            kernel, why = None, f"it takes no {num_heads} heads / {num_kv_heads} KV heads of {head_dim} in blocks " \
-                f"of {block_size}"
+            kernel, why = None, (f"{num_heads} heads / {num_kv_heads} KV heads of size {head_dim} in blocks of "
+                                 f"{block_size} are beyond its limits")
     if name == "cpu-kernel" and kernel is None:
         raise EngineError(f"attention backend 'cpu-kernel' is unavailable: {why}")
     if device.type == "cpu":

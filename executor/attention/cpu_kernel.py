@@ -18,9 +18,11 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ DIR_ENV = "AGENTSERVE_KERNEL_DIR"
 
 
 def cache_dir() -> Path:
+    """Where built kernels are kept: ``$AGENTSERVE_KERNEL_DIR``, else ``~/.cache/agentserve/kernels``."""
     env = os.environ.get(DIR_ENV)
     return Path(env) if env else Path.home() / ".cache" / "agentserve" / "kernels"
 
@@ -52,8 +55,6 @@ def _cpu_flags() -> str:
                 return line
     except OSError:
         pass
-    import platform
-
     return platform.processor() or platform.machine()
 
 
@@ -85,8 +86,8 @@ def _build(cc: str, out: Path) -> None:
 def _open(path: Path) -> ctypes.CDLL:
     """Load the library with its OpenMP runtime's idle threads sleeping, not spinning.
 
-    The system libgomp it links is a second OpenMP runtime beside PyTorch's own; with the default policy its
-    workers would spin between layers on cores the prefill lane runs on.  libgomp reads the policy when it
+    The libgomp it links is usually a second OpenMP runtime beside the one PyTorch's wheel bundles; with the
+    default policy its workers would spin between layers on cores the prefill lane runs on.  libgomp reads the policy when it
     is first loaded, so it is set for that moment only (an explicit ``OMP_WAIT_POLICY`` wins)."""
     before = os.environ.get("OMP_WAIT_POLICY")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -103,7 +104,7 @@ class PagedDecodeKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         fn = library.paged_decode_f32
         ptr, i32 = ctypes.c_void_p, ctypes.c_int
-        fn.argtypes = [ptr] * 6 + [i32] * 6 + [ctypes.c_float, i32]
+        fn.argtypes = [ptr] * 3 + [ctypes.c_int64] + [ptr] * 3 + [i32] * 6 + [ctypes.c_float, i32]
         fn.restype = i32
         self._fn = fn
         self._supports = library.paged_decode_supports
@@ -118,30 +119,47 @@ class PagedDecodeKernel:
         """Attention of ``q`` [B, heads, D] (one new token per sequence) over each sequence's first
         ``lens[b]`` cached tokens, found through ``tables`` [B, width] in the caches [blocks, bs, kv_heads, D]."""
         b, heads, dim = q.shape
-        _, block_size, kv_heads, _ = k_cache.shape
+        num_blocks, block_size, kv_heads, _ = k_cache.shape
+        if v_cache.shape != k_cache.shape or k_cache.shape[3] != dim or tables.shape[0] != b or lens.shape != (b,):
+            raise ValueError(f"paged decode kernel: mismatched shapes q {tuple(q.shape)}, caches "
+                             f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}, tables {tuple(tables.shape)}, "
+                             f"lens {tuple(lens.shape)}")
         for t, dtype in ((q, torch.float32), (k_cache, torch.float32), (v_cache, torch.float32),
                          (tables, torch.int64), (lens, torch.int64)):
             if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"paged decode kernel needs contiguous CPU {dtype} tensors")
         out = torch.empty_like(q)
-        rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                      out.data_ptr(), b, heads, kv_heads, dim, block_size, tables.shape[1], scale, threads)
-        if rc != 0:
+        rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, tables.data_ptr(),
+                      lens.data_ptr(), out.data_ptr(), b, heads, kv_heads, dim, block_size, tables.shape[1], scale,
+                      threads)
+        if rc == -1:
             raise ValueError(f"paged decode kernel does not take heads={heads} kv_heads={kv_heads} dim={dim} "
                              f"block_size={block_size} (check supports() first)")
+        if rc != 0:
+            raise ValueError(f"paged decode kernel: a length outside 1..{tables.shape[1] * block_size} or a block "
+                             f"id outside [0, {num_blocks})")
         return out
 
 
-@functools.cache
+_LOADING = threading.Lock()
+
+
 def load() -> PagedDecodeKernel | None:
     """The kernel, built on first use; ``None`` (logged once) where it cannot be built or loaded."""
+    with _LOADING:  # one build, one temporary change of the environment, at a time
+        return _load()
+
+
+@functools.cache
+def _load() -> PagedDecodeKernel | None:
     cc = _compiler()
     if cc is None:
         log.warning("no C compiler (cc, gcc or clang) found: CPU decode attention uses the PyTorch path")
         return None
     try:
         key = hashlib.sha256(
-            "\0".join([SOURCE.read_text(), _version(cc), *COMPILE, *LINK, OPENMP, _cpu_flags()]).encode()
+            "\0".join([SOURCE.read_text(), _version(cc), *COMPILE, *LINK, OPENMP, _cpu_flags(),
+                       *platform.libc_ver()]).encode()
         ).hexdigest()[:16]
         path = cache_dir() / key / "paged_decode.so"
         if not path.exists():

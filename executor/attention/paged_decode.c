@@ -12,7 +12,9 @@
  *   m' = max(m, max_t s_t);  l' = l e^(m - m') + sum_t e^(s_t - m');  acc' = acc e^(m - m') + sum_t e^(s_t - m') v_t
  * and out = acc / l after the last block.  All KV heads of a block are done before the next block, so the
  * block's rows are read from memory once.  Sequences are independent work items, shared among `threads`
- * OpenMP threads.  Built with -ffast-math (vectorised exp and reductions), hence no infinities below.
+ * OpenMP threads.  Scores and value sums use AVX2 + FMA where the CPU has both (plain loops otherwise).
+ * Compiled with -ffast-math (vectorised exp, reassociated sums), hence no infinities below; subnormals are
+ * flushed only inside the call (the caller's floating-point mode is restored).
  */
 #include <float.h>
 #include <math.h>
@@ -34,7 +36,8 @@ typedef struct {
 
 #define INLINE static inline __attribute__((always_inline))
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
+#define SIMD8 1
 #include <immintrin.h>
 
 /* Scores of 8 consecutive tokens: q . k_t for t = 0..7, as one vector.  8 independent FMA chains, then a
@@ -80,7 +83,7 @@ INLINE void accumulate(float *restrict acc, const float *restrict p, const float
 INLINE void scores(const float *restrict q, const float *restrict kb, int n, int64_t row, const int dim,
                    float *restrict s) {
     int t = 0;
-#ifdef __AVX2__
+#ifdef SIMD8
     if (dim % 8 == 0)
         for (; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, dots8(q, kb + t * row, row, dim));
 #endif
@@ -94,7 +97,7 @@ INLINE void scores(const float *restrict q, const float *restrict kb, int n, int
 INLINE void values(float *restrict acc, const float *restrict p, const float *restrict vb, int n, int64_t row,
                    int group, const int dim) {
     int g = 0;
-#ifdef __AVX2__
+#ifdef SIMD8
     if (dim % 16 == 0) {
         for (; g + 4 <= group; g += 4) accumulate(acc + g * dim, p + g * MAX_BLOCK, vb, n, row, dim, 4);
         for (; g < group; g++) accumulate(acc + g * dim, p + g * MAX_BLOCK, vb, n, row, dim, 1);
@@ -134,8 +137,8 @@ INLINE void attend_block(const float *restrict q, const float *restrict kb, cons
 
 INLINE void attend_sequence(
     const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
-    const int64_t *restrict table, int64_t len, float *restrict out, Shape sh, const int dim) {
-    float m[MAX_HEADS], l[MAX_HEADS], acc[MAX_HEADS * MAX_DIM];
+    const int64_t *restrict table, int64_t len, float *restrict out, float *restrict acc, Shape sh, const int dim) {
+    float m[MAX_HEADS], l[MAX_HEADS];
     const int heads = sh.heads, kv_heads = sh.kv_heads, bs = sh.block_size, group = heads / kv_heads;
     const int64_t row = (int64_t)kv_heads * dim; /* floats between consecutive tokens of one block */
     for (int h = 0; h < heads; h++) m[h] = -FLT_MAX, l[h] = 0.0f;
@@ -162,11 +165,24 @@ int paged_decode_supports(int heads, int kv_heads, int dim, int block_size) {
            heads / kv_heads <= MAX_GROUP && dim > 0 && dim <= MAX_DIM && block_size > 0 && block_size <= MAX_BLOCK;
 }
 
-/* Returns 0, or -1 for a shape paged_decode_supports refuses (nothing is written then). */
-int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
-                     const int64_t *lens, float *out, int batch, int heads, int kv_heads, int dim, int block_size,
-                     int width, float scale, int threads) {
+/* 1 when every sequence has 1 <= len <= width * block_size tokens and its used blocks are in [0, num_blocks). */
+static int valid_tables(const int64_t *tables, const int64_t *lens, int batch, int width, int block_size,
+                        int64_t num_blocks) {
+    for (int b = 0; b < batch; b++) {
+        if (lens[b] < 1 || lens[b] > (int64_t)width * block_size) return 0;
+        for (int64_t j = 0, used = (lens[b] + block_size - 1) / block_size; j < used; j++)
+            if (tables[(int64_t)b * width + j] < 0 || tables[(int64_t)b * width + j] >= num_blocks) return 0;
+    }
+    return 1;
+}
+
+/* Returns 0; -1 for a shape paged_decode_supports refuses, -2 for lengths or block ids outside the cache
+ * (nothing is written then). */
+int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                     const int64_t *tables, const int64_t *lens, float *out, int batch, int heads, int kv_heads,
+                     int dim, int block_size, int width, float scale, int threads) {
     if (!paged_decode_supports(heads, kv_heads, dim, block_size)) return -1;
+    if (!valid_tables(tables, lens, batch, width, block_size, num_blocks)) return -2;
     const Shape sh = {heads, kv_heads, dim, block_size, scale};
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
     for (int b = 0; b < batch; b++) {
@@ -174,14 +190,15 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
         const unsigned csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040); /* FTZ | DAZ */
 #endif
+        float acc[heads * dim]; /* unnormalised outputs; at most MAX_HEADS x MAX_DIM floats (128 KiB) */
         const int64_t at = (int64_t)b * heads * dim;
         const int64_t *table = tables + (int64_t)b * width;
         if (dim == 64) /* constant dims: the inner loops unroll into whole vectors */
-            attend_sequence(q + at, k_cache, v_cache, table, lens[b], out + at, sh, 64);
+            attend_sequence(q + at, k_cache, v_cache, table, lens[b], out + at, acc, sh, 64);
         else if (dim == 128)
-            attend_sequence(q + at, k_cache, v_cache, table, lens[b], out + at, sh, 128);
+            attend_sequence(q + at, k_cache, v_cache, table, lens[b], out + at, acc, sh, 128);
         else
-            attend_sequence(q + at, k_cache, v_cache, table, lens[b], out + at, sh, dim);
+            attend_sequence(q + at, k_cache, v_cache, table, lens[b], out + at, acc, sh, dim);
 #ifdef __SSE__
         _mm_setcsr(csr);
 #endif

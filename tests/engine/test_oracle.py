@@ -10,21 +10,25 @@ from engine_helpers import ARCH, REL_TOL, GreedyDriver, greedy_generate, hf_gree
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
 
-def fp32_runner(case, num_blocks: int = 64, block_size: int = 16) -> ModelRunner:
-    runner = ModelRunner(case.path, dtype="float32", device="cpu", num_blocks=num_blocks, block_size=block_size)
+def fp32_runner(case, num_blocks: int = 64, block_size: int = 16, attention: str = "auto") -> ModelRunner:
+    runner = ModelRunner(case.path, dtype="float32", device="cpu", num_blocks=num_blocks, block_size=block_size,
+                         attention_backend=attention)
     assert runner.config.architecture == ARCH[case.name]
     return runner
 
 
-def test_greedy_batch_matches_transformers(case):
-    got = greedy_generate(fp32_runner(case), case.prompts, MAX_NEW)
+# auto: the compiled CPU decode kernel where a C compiler exists; torch: the PyTorch path machines without one use
+@pytest.mark.parametrize("attention", ["auto", "torch"])
+def test_greedy_batch_matches_transformers(case, attention):
+    got = greedy_generate(fp32_runner(case, attention=attention), case.prompts, MAX_NEW)
     assert got == case.expected
 
 
+@pytest.mark.parametrize("attention", ["auto", "torch"])
 @pytest.mark.parametrize("chunk_size", [1, 7, 64])
-def test_chunked_prefill_matches_transformers(case, chunk_size):
-    got = greedy_generate(fp32_runner(case, block_size=8, num_blocks=96), case.prompts, MAX_NEW, chunk_size)
-    assert got == case.expected
+def test_chunked_prefill_matches_transformers(case, chunk_size, attention):
+    runner = fp32_runner(case, block_size=8, num_blocks=96, attention=attention)
+    assert greedy_generate(runner, case.prompts, MAX_NEW, chunk_size) == case.expected
 
 
 def test_resume_matches_scratch(case):
