@@ -5,9 +5,9 @@ PyTorch's decode path must first gather each sequence's blocks into a contiguous
 library attends a paged cache in place on an AVX2 CPU (Intel's extension is pinned to particular PyTorch
 releases and being retired, vLLM's CPU kernels are not a separate library, SGLang's target AVX-512 Xeons).
 The kernel is plain C (no PyTorch headers), so it builds in about a second.  The shared object is cached
-under ``<cache>/<hash>/``: the hash covers the source, the compiler's version, the flags and the CPU's
-feature flags (it is built with ``-march=native``); ``<cache>`` is ``$AGENTSERVE_KERNEL_DIR`` or
-``~/.cache/agentserve/kernels``.
+under ``<cache>/<hash>/``: the hash covers the source, the compiler's version, the flags, the CPU's
+feature flags (it is built with ``-march=native``) and the C library's version; ``<cache>`` is
+``$AGENTSERVE_KERNEL_DIR`` or ``~/.cache/agentserve/kernels``.
 A machine without a working C compiler gets ``None`` and the PyTorch path; nothing else changes.
 """
 
@@ -86,9 +86,10 @@ def _build(cc: str, out: Path) -> None:
 def _open(path: Path) -> ctypes.CDLL:
     """Load the library with its OpenMP runtime's idle threads sleeping, not spinning.
 
-    The libgomp it links is usually a second OpenMP runtime beside the one PyTorch's wheel bundles; with the
-    default policy its workers would spin between layers on cores the prefill lane runs on.  libgomp reads the policy when it
-    is first loaded, so it is set for that moment only (an explicit ``OMP_WAIT_POLICY`` wins)."""
+    The libgomp it links is usually a second OpenMP runtime beside the one PyTorch's wheel bundles; with
+    the default policy its workers would spin between layers on cores the prefill lane runs on.  libgomp
+    reads the policy when it is first loaded, so it is set for that moment only (an explicit
+    ``OMP_WAIT_POLICY`` wins)."""
     before = os.environ.get("OMP_WAIT_POLICY")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
@@ -120,7 +121,8 @@ class PagedDecodeKernel:
         ``lens[b]`` cached tokens, found through ``tables`` [B, width] in the caches [blocks, bs, kv_heads, D]."""
         b, heads, dim = q.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape
-        if v_cache.shape != k_cache.shape or k_cache.shape[3] != dim or tables.shape[0] != b or lens.shape != (b,):
+        if (v_cache.shape != k_cache.shape or k_cache.shape[3] != dim or tables.dim() != 2 or tables.shape[0] != b
+                or lens.shape != (b,)):
             raise ValueError(f"paged decode kernel: mismatched shapes q {tuple(q.shape)}, caches "
                              f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}, tables {tuple(tables.shape)}, "
                              f"lens {tuple(lens.shape)}")

@@ -102,8 +102,9 @@ def test_kernel_refuses_lengths_and_block_ids_outside_the_cache(kernel):
                                  (tables.clone().fill_(len(k_cache)), lens), (tables.clone().fill_(-1), lens)):
         with pytest.raises(ValueError, match="outside"):
             kernel(q, k_cache, v_cache, bad_tables, bad_lens, 0.3)
-    with pytest.raises(ValueError, match="mismatched shapes"):
-        kernel(q, k_cache, v_cache, tables[:1], lens, 0.3)
+    for bad in (tables[:1], tables[:, 0].contiguous()):  # a row short; one dimension
+        with pytest.raises(ValueError, match="mismatched shapes"):
+            kernel(q, k_cache, v_cache, bad, lens, 0.3)
 
 
 def test_auto_backend_uses_the_kernel_only_for_float32_on_the_cpu(kernel):

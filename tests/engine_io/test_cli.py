@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -72,7 +73,8 @@ def test_plain_output_and_stop_string():
 def test_subprocess_console_script(cache_dir):
     exe = shutil.which("agentserve", path=str(Path(sys.executable).parent))
     assert exe is not None
-    env = {"AGENTSERVE_CACHE_DIR": str(cache_dir), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env = {"AGENTSERVE_CACHE_DIR": str(cache_dir), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "AGENTSERVE_KERNEL_DIR": os.environ["AGENTSERVE_KERNEL_DIR"]}  # the session's kernel build folder
     proc = subprocess.run([exe, "generate", "--model", "tiny", "--prompt", "hi", "--max-tokens", "8", "--json"],
                           capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr
