@@ -137,6 +137,8 @@ class PagedDecodeKernel:
         if rc == -1:
             raise ValueError(f"paged decode kernel does not take heads={heads} kv_heads={kv_heads} dim={dim} "
                              f"block_size={block_size} (check supports() first)")
+        if rc == -3:
+            raise MemoryError("paged decode kernel: no memory for its softmax state")
         if rc != 0:
             raise ValueError(f"paged decode kernel: a length outside 1..{tables.shape[1] * block_size} or a block "
                              f"id outside [0, {num_blocks})")

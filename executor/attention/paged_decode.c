@@ -11,14 +11,17 @@
  * running maximum m, normaliser l and unnormalised accumulator acc; s_t = scale * q . k_t):
  *   m' = max(m, max_t s_t);  l' = l e^(m - m') + sum_t e^(s_t - m');  acc' = acc e^(m - m') + sum_t e^(s_t - m') v_t
  * and out = acc / l after the last block.  All KV heads of a block are done before the next block, so the
- * block's rows are read from memory once.  Sequences are independent work items, shared among `threads`
- * OpenMP threads.  Scores and value sums use AVX2 + FMA where the CPU has both (plain loops otherwise).
+ * block's rows are read from memory once.  The leading blocks every sequence of the batch shares (the
+ * agents' common system prompt, cached once) are walked first, block by block with the sequences inner, so
+ * each is read from memory once for the whole batch; then each sequence walks its own blocks.  The batch is
+ * split into one group of sequences per OpenMP thread (`threads`).  Scores and value sums use AVX2 + FMA where the CPU has both (plain loops otherwise).
  * Compiled with -ffast-math (vectorised exp, reassociated sums), hence no infinities below; subnormals are
  * flushed only inside the call (the caller's floating-point mode is restored).
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __SSE__
 #include <xmmintrin.h>
@@ -135,16 +138,13 @@ INLINE void attend_block(const float *restrict q, const float *restrict kb, cons
     values(acc, p, vb, n, row, group, dim);
 }
 
-INLINE void attend_sequence(
-    const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
-    const int64_t *restrict table, int64_t len, float *restrict out, float *restrict acc, Shape sh, const int dim) {
-    float m[MAX_HEADS], l[MAX_HEADS];
-    const int heads = sh.heads, kv_heads = sh.kv_heads, bs = sh.block_size, group = heads / kv_heads;
+/* Blocks [j0, j1) of one sequence into its running state (m, l, acc for each of its heads). */
+INLINE void attend_blocks(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+                          const int64_t *restrict table, int64_t j0, int64_t j1, int64_t len, float *restrict m,
+                          float *restrict l, float *restrict acc, Shape sh, const int dim) {
+    const int kv_heads = sh.kv_heads, bs = sh.block_size, group = sh.heads / kv_heads;
     const int64_t row = (int64_t)kv_heads * dim; /* floats between consecutive tokens of one block */
-    for (int h = 0; h < heads; h++) m[h] = -FLT_MAX, l[h] = 0.0f;
-    memset(acc, 0, sizeof(float) * heads * dim);
-    const int64_t blocks = (len + bs - 1) / bs;
-    for (int64_t j = 0; j < blocks; j++) {
+    for (int64_t j = j0; j < j1; j++) {
         const int n = (int)(len - j * bs < bs ? len - j * bs : bs);
         const int64_t base = table[j] * bs * row;
         for (int h = 0; h < kv_heads; h++) {
@@ -153,10 +153,45 @@ INLINE void attend_sequence(
                          sh.scale, m + first, l + first, acc + first * dim);
         }
     }
-    for (int h = 0; h < heads; h++) {
-        const float inv = 1.0f / l[h];
-        for (int d = 0; d < dim; d++) out[h * dim + d] = acc[h * dim + d] * inv;
+}
+
+/* Sequences [b0, b1): the blocks they all share first, block by block with the sequences inner (a shared
+ * block is read from memory once for all of them), then each sequence's own blocks; the unnormalised
+ * accumulators live in `out` until the final division. */
+INLINE void attend_group(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+                         const int64_t *restrict tables, const int64_t *restrict lens, float *restrict out,
+                         float *restrict m, float *restrict l, int b0, int b1, int64_t shared, int width, Shape sh,
+                         const int dim) {
+    const int heads = sh.heads;
+    for (int64_t i = (int64_t)b0 * heads; i < (int64_t)b1 * heads; i++) m[i] = -FLT_MAX, l[i] = 0.0f;
+    memset(out + (int64_t)b0 * heads * dim, 0, sizeof(float) * (b1 - b0) * heads * dim);
+    for (int64_t j = 0; j < shared; j++)
+        for (int b = b0; b < b1; b++) {
+            const int64_t at = (int64_t)b * heads;
+            attend_blocks(q + at * dim, k_cache, v_cache, tables + (int64_t)b * width, j, j + 1, lens[b], m + at,
+                          l + at, out + at * dim, sh, dim);
+        }
+    for (int b = b0; b < b1; b++) {
+        const int64_t at = (int64_t)b * heads, blocks = (lens[b] + sh.block_size - 1) / sh.block_size;
+        attend_blocks(q + at * dim, k_cache, v_cache, tables + (int64_t)b * width, shared, blocks, lens[b], m + at,
+                      l + at, out + at * dim, sh, dim);
+        for (int h = 0; h < heads; h++) {
+            const float inv = 1.0f / l[at + h];
+            for (int d = 0; d < dim; d++) out[(at + h) * dim + d] *= inv;
+        }
     }
+}
+
+/* Leading blocks identical in every sequence's table and complete in every sequence (the agents' shared
+ * system prompt, cached once). */
+static int64_t shared_blocks(const int64_t *tables, const int64_t *lens, int batch, int width, int block_size) {
+    int64_t shortest = lens[0];
+    for (int b = 1; b < batch; b++) shortest = lens[b] < shortest ? lens[b] : shortest;
+    const int64_t limit = shortest / block_size;
+    for (int64_t j = 0; j < limit; j++)
+        for (int b = 1; b < batch; b++)
+            if (tables[(int64_t)b * width + j] != tables[j]) return j;
+    return batch > 1 ? limit : 0;
 }
 
 /* 1 when the kernel takes this model shape (its stack buffers are sized by the limits above), else 0. */
@@ -177,31 +212,35 @@ static int valid_tables(const int64_t *tables, const int64_t *lens, int batch, i
 }
 
 /* Returns 0; -1 for a shape paged_decode_supports refuses, -2 for lengths or block ids outside the cache
- * (nothing is written then). */
+ * (nothing is written then), -3 when its small state buffer cannot be allocated. */
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
                      const int64_t *tables, const int64_t *lens, float *out, int batch, int heads, int kv_heads,
                      int dim, int block_size, int width, float scale, int threads) {
     if (!paged_decode_supports(heads, kv_heads, dim, block_size)) return -1;
     if (!valid_tables(tables, lens, batch, width, block_size, num_blocks)) return -2;
     const Shape sh = {heads, kv_heads, dim, block_size, scale};
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
-    for (int b = 0; b < batch; b++) {
+    float *state = malloc(sizeof(float) * 2 * (size_t)batch * heads); /* m, then l, of every head */
+    if (state == NULL) return -3;
+    const int64_t shared = shared_blocks(tables, lens, batch, width, block_size);
+    const int groups = threads < batch ? (threads > 1 ? threads : 1) : batch; /* one group per thread */
+#pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
+    for (int g = 0; g < groups; g++) {
 #ifdef __SSE__ /* e^(s - m) of far-below-maximum scores is subnormal: flush it here, not in the caller's thread */
         const unsigned csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040); /* FTZ | DAZ */
 #endif
-        float acc[heads * dim]; /* unnormalised outputs; at most MAX_HEADS x MAX_DIM floats (128 KiB) */
-        const int64_t at = (int64_t)b * heads * dim;
-        const int64_t *table = tables + (int64_t)b * width;
+        const int b0 = (int)((int64_t)batch * g / groups), b1 = (int)((int64_t)batch * (g + 1) / groups);
+        float *m = state, *l = state + (size_t)batch * heads;
         if (dim == 64) /* constant dims: the inner loops unroll into whole vectors */
-            attend_sequence(q + at, k_cache, v_cache, table, lens[b], out + at, acc, sh, 64);
+            attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, shared, width, sh, 64);
         else if (dim == 128)
-            attend_sequence(q + at, k_cache, v_cache, table, lens[b], out + at, acc, sh, 128);
+            attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, shared, width, sh, 128);
         else
-            attend_sequence(q + at, k_cache, v_cache, table, lens[b], out + at, acc, sh, dim);
+            attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, shared, width, sh, dim);
 #ifdef __SSE__
         _mm_setcsr(csr);
 #endif
     }
+    free(state);
     return 0;
 }

@@ -45,8 +45,9 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
 
 
 def random_case(kv_heads: int, group: int, dim: int, block_size: int, lens: list[int], magnitude: float,
-                seed: int) -> tuple[torch.Tensor, ...]:
-    """Caches with more blocks than needed; each sequence's blocks are a random, scattered selection."""
+                seed: int, shared: int = 0) -> tuple[torch.Tensor, ...]:
+    """Caches with more blocks than needed; each sequence's blocks are a random, scattered selection, the
+    first ``shared`` of them the same blocks in every sequence (a cached common prefix)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in lens]
     num_blocks = sum(need) + 3
@@ -54,11 +55,12 @@ def random_case(kv_heads: int, group: int, dim: int, block_size: int, lens: list
     order = torch.randperm(num_blocks, generator=g).tolist()
     width = max(need) + 2  # padding past each row's blocks must be ignored
     tables = torch.zeros(len(lens), width, dtype=torch.int64)
-    at = 0
+    at = shared
     for i, n in enumerate(need):
-        tables[i, :n] = torch.tensor(order[at : at + n])
+        own = max(0, n - shared)
+        tables[i, :n] = torch.tensor(order[: min(n, shared)] + order[at : at + own])
         tables[i, n:] = order[-1]
-        at += n
+        at += own
     q = torch.randn(len(lens), kv_heads * group, dim, generator=g) * magnitude
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int64)
 
@@ -67,11 +69,13 @@ def random_case(kv_heads: int, group: int, dim: int, block_size: int, lens: list
 @given(kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3, 4, 5, 8]),
        dim=st.sampled_from([8, 12, 64, 128]), block_size=st.sampled_from([1, 4, 7, 16, 64]),
        lens=st.lists(st.integers(1, 200), min_size=1, max_size=5), magnitude=st.sampled_from([1.0, 30.0]),
-       seed=st.integers(0, 2**16))
-def test_kernel_equals_float64_attention(kernel, kv_heads, group, dim, block_size, lens, magnitude, seed):
-    """Groups of odd sizes, head sizes with and without a vector remainder, partial last blocks and large
-    scores (the online softmax must rescale without overflow)."""
-    q, k_cache, v_cache, tables, lens_t = random_case(kv_heads, group, dim, block_size, lens, magnitude, seed)
+       seed=st.integers(0, 2**16), shared=st.integers(0, 12))
+def test_kernel_equals_float64_attention(kernel, kv_heads, group, dim, block_size, lens, magnitude, seed, shared):
+    """Groups of odd sizes, head sizes with and without a vector remainder, partial last blocks, large
+    scores (the online softmax must rescale without overflow), and leading blocks shared by the batch
+    (walked once for all its sequences, also where some sequence ends inside them)."""
+    q, k_cache, v_cache, tables, lens_t = random_case(kv_heads, group, dim, block_size, lens, magnitude, seed,
+                                                      shared)
     scale = dim**-0.5
     got = kernel(q, k_cache, v_cache, tables, lens_t, scale)
     want = reference(q, k_cache, v_cache, tables, lens_t, scale)
@@ -79,9 +83,11 @@ def test_kernel_equals_float64_attention(kernel, kv_heads, group, dim, block_siz
 
 
 def test_threads_split_sequences_without_changing_results(kernel):
-    q, k_cache, v_cache, tables, lens = random_case(2, 4, 64, 16, [300, 17, 1, 129, 64, 250], 1.0, seed=3)
+    q, k_cache, v_cache, tables, lens = random_case(2, 4, 64, 16, [300, 170, 100, 129, 64, 250], 1.0, seed=3,
+                                                    shared=3)
     one = kernel(q, k_cache, v_cache, tables, lens, 0.125, threads=1)
-    assert torch.equal(kernel(q, k_cache, v_cache, tables, lens, 0.125, threads=2), one)
+    for threads in (2, 4, 6, 8):  # fewer groups than sequences, one each, more threads than sequences
+        assert torch.equal(kernel(q, k_cache, v_cache, tables, lens, 0.125, threads=threads), one)
 
 
 def test_kernel_refuses_what_it_cannot_take(kernel):
