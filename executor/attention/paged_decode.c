@@ -14,7 +14,8 @@
  * block's rows are read from memory once.  The leading blocks every sequence of the batch shares (the
  * agents' common system prompt, cached once) are walked first, block by block with the sequences inner, so
  * each is read from memory once for the whole batch; then each sequence walks its own blocks.  The batch is
- * split into one group of sequences per OpenMP thread (`threads`).  Scores and value sums use AVX2 + FMA where the CPU has both (plain loops otherwise).
+ * split into one group of sequences per OpenMP thread (`threads`), each group finding its own shared span
+ * (with as many threads as sequences each group is one sequence: parallel, but no reuse).  Scores and value sums use AVX2 + FMA where the CPU has both (plain loops otherwise).
  * Compiled with -ffast-math (vectorised exp, reassociated sums), hence no infinities below; subnormals are
  * flushed only inside the call (the caller's floating-point mode is restored).
  */
@@ -155,14 +156,26 @@ INLINE void attend_blocks(const float *restrict q, const float *restrict k_cache
     }
 }
 
+/* Leading blocks identical in the tables of a group's sequences and complete in each (the agents' shared
+ * system prompt, cached once). */
+static int64_t shared_blocks(const int64_t *tables, const int64_t *lens, int batch, int width, int block_size) {
+    int64_t shortest = lens[0];
+    for (int b = 1; b < batch; b++) shortest = lens[b] < shortest ? lens[b] : shortest;
+    const int64_t limit = shortest / block_size;
+    for (int64_t j = 0; j < limit; j++)
+        for (int b = 1; b < batch; b++)
+            if (tables[(int64_t)b * width + j] != tables[j]) return j;
+    return batch > 1 ? limit : 0;
+}
+
 /* Sequences [b0, b1): the blocks they all share first, block by block with the sequences inner (a shared
  * block is read from memory once for all of them), then each sequence's own blocks; the unnormalised
  * accumulators live in `out` until the final division. */
 INLINE void attend_group(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
                          const int64_t *restrict tables, const int64_t *restrict lens, float *restrict out,
-                         float *restrict m, float *restrict l, int b0, int b1, int64_t shared, int width, Shape sh,
-                         const int dim) {
+                         float *restrict m, float *restrict l, int b0, int b1, int width, Shape sh, const int dim) {
     const int heads = sh.heads;
+    const int64_t shared = shared_blocks(tables + (int64_t)b0 * width, lens + b0, b1 - b0, width, sh.block_size);
     for (int64_t i = (int64_t)b0 * heads; i < (int64_t)b1 * heads; i++) m[i] = -FLT_MAX, l[i] = 0.0f;
     memset(out + (int64_t)b0 * heads * dim, 0, sizeof(float) * (b1 - b0) * heads * dim);
     for (int64_t j = 0; j < shared; j++)
@@ -182,17 +195,6 @@ INLINE void attend_group(const float *restrict q, const float *restrict k_cache,
     }
 }
 
-/* Leading blocks identical in every sequence's table and complete in every sequence (the agents' shared
- * system prompt, cached once). */
-static int64_t shared_blocks(const int64_t *tables, const int64_t *lens, int batch, int width, int block_size) {
-    int64_t shortest = lens[0];
-    for (int b = 1; b < batch; b++) shortest = lens[b] < shortest ? lens[b] : shortest;
-    const int64_t limit = shortest / block_size;
-    for (int64_t j = 0; j < limit; j++)
-        for (int b = 1; b < batch; b++)
-            if (tables[(int64_t)b * width + j] != tables[j]) return j;
-    return batch > 1 ? limit : 0;
-}
 
 /* 1 when the kernel takes this model shape (its stack buffers are sized by the limits above), else 0. */
 int paged_decode_supports(int heads, int kv_heads, int dim, int block_size) {
@@ -218,10 +220,10 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      int dim, int block_size, int width, float scale, int threads) {
     if (!paged_decode_supports(heads, kv_heads, dim, block_size)) return -1;
     if (!valid_tables(tables, lens, batch, width, block_size, num_blocks)) return -2;
+    if (batch < 1) return 0;
     const Shape sh = {heads, kv_heads, dim, block_size, scale};
     float *state = malloc(sizeof(float) * 2 * (size_t)batch * heads); /* m, then l, of every head */
     if (state == NULL) return -3;
-    const int64_t shared = shared_blocks(tables, lens, batch, width, block_size);
     const int groups = threads < batch ? (threads > 1 ? threads : 1) : batch; /* one group per thread */
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
     for (int g = 0; g < groups; g++) {
@@ -232,11 +234,11 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
         const int b0 = (int)((int64_t)batch * g / groups), b1 = (int)((int64_t)batch * (g + 1) / groups);
         float *m = state, *l = state + (size_t)batch * heads;
         if (dim == 64) /* constant dims: the inner loops unroll into whole vectors */
-            attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, shared, width, sh, 64);
+            attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, width, sh, 64);
         else if (dim == 128)
-            attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, shared, width, sh, 128);
+            attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, width, sh, 128);
         else
-            attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, shared, width, sh, dim);
+            attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, width, sh, dim);
 #ifdef __SSE__
         _mm_setcsr(csr);
 #endif

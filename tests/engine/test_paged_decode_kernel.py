@@ -90,6 +90,11 @@ def test_threads_split_sequences_without_changing_results(kernel):
         assert torch.equal(kernel(q, k_cache, v_cache, tables, lens, 0.125, threads=threads), one)
 
 
+def test_an_empty_batch_gives_an_empty_result(kernel):
+    q, k_cache, v_cache, tables, lens = random_case(2, 2, 8, 4, [5], 1.0, seed=0)
+    assert kernel(q[:0], k_cache, v_cache, tables[:0], lens[:0], 0.3).shape == (0, 4, 8)
+
+
 def test_kernel_refuses_what_it_cannot_take(kernel):
     assert kernel.supports(8, 2, 64, 16) and kernel.supports(32, 8, 128, 32)
     assert not kernel.supports(8, 3, 64, 16)  # heads not a multiple of KV heads
