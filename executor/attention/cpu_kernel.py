@@ -120,7 +120,6 @@ class PagedDecodeKernel:
         """Attention of ``q`` [B, heads, D] (one new token per sequence) over each sequence's first
         ``lens[b]`` cached tokens, found through ``tables`` [B, width] in the caches [blocks, bs, kv_heads, D]."""
         b, heads, dim = q.shape
-        num_blocks, block_size, kv_heads, _ = k_cache.shape
         if (v_cache.shape != k_cache.shape or k_cache.shape[3] != dim or tables.dim() != 2 or tables.shape[0] != b
                 or lens.shape != (b,)):
             raise ValueError(f"paged decode kernel: mismatched shapes q {tuple(q.shape)}, caches "
@@ -130,6 +129,15 @@ class PagedDecodeKernel:
                          (tables, torch.int64), (lens, torch.int64)):
             if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"paged decode kernel needs contiguous CPU {dtype} tensors")
+        return self.run(q, k_cache, v_cache, tables, lens, scale, threads)
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+            lens: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
+        """As calling the kernel, without the Python checks of shapes, dtypes and layout: for a caller whose
+        tensors are right by construction (the attention backend, once per layer).  The C side still refuses
+        lengths and block ids outside the cache."""
+        b, heads, dim = q.shape
+        num_blocks, block_size, kv_heads, _ = k_cache.shape
         out = torch.empty_like(q)
         rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, tables.data_ptr(),
                       lens.data_ptr(), out.data_ptr(), b, heads, kv_heads, dim, block_size, tables.shape[1], scale,

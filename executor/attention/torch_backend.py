@@ -16,13 +16,16 @@ for a fresh 512-token chunk, 2-3x faster for a chunk after 1-3k cached tokens (5
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from agentserve.executor.attention import cascade
 from agentserve.executor.attention.base import AttentionBackend, AttentionBatch
-from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
+
+if TYPE_CHECKING:
+    from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
 
 CPU_MASK_BYTES = 16 << 20  # cap on one query block's additive mask (rows x keys)
 CPU_ROW_BLOCK = 256  # query rows per block: smaller blocks skip more of the masked upper triangle
@@ -49,15 +52,24 @@ class _DecodePlan:
     slots: torch.Tensor
     block_tables: torch.Tensor  # [B, max_blocks] each row's own blocks (padded with block 0, masked out)
     lens: torch.Tensor  # [B] int64 tokens of each row's own blocks
-    mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool; None for the kernel (reads lens)
+    block_size: int
+    threads: int = 1  # intra-op threads of the planning (= running) lane thread, for the compiled kernel
     shared: torch.Tensor | None = None  # [P] blocks every row starts with (cascade), else None
     shared_run: int | None = None  # first block when ``shared`` is one run of consecutive blocks (a view)
+    bool_mask: torch.Tensor | None = None  # :meth:`mask`, made on first use (the compiled kernel reads lens)
     additive: torch.Tensor | None = None  # ``mask`` as 0 / -inf in the query dtype (cascade; made once)
+
+    def mask(self) -> torch.Tensor:
+        """``[B, 1, 1, max_blocks * block_size]`` bool: which padded key positions each row attends."""
+        if self.bool_mask is None:
+            span = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.lens.device)
+            self.bool_mask = (span[None, :] < self.lens[:, None])[:, None, None, :]
+        return self.bool_mask
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         if self.additive is None:
-            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self.additive = zeros.masked_fill_(~self.mask, float("-inf"))
+            mask = self.mask()
+            self.additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         return self.additive
 
 
@@ -96,7 +108,7 @@ class TorchAttention(AttentionBackend):
         self.decode_kernel = decode_kernel  # fp32 CPU caches only: the caller checks
         # cascade needs the log-sum-exp of each partial attention: CPU's flash kernel returns it
         self.cascade_decode = self.device.type == "cpu" if cascade_decode is None else cascade_decode
-        self.cascade_decode &= decode_kernel is None  # the kernel reads a shared prefix from cache each time
+        self.cascade_decode &= decode_kernel is None  # the kernel walks a batch's shared prefix once itself
 
     def plan(self, batch: AttentionBatch) -> _PrefillPlan | _DecodePlan:
         slots = batch.slot_mapping.to(self.device, non_blocking=True)
@@ -141,11 +153,7 @@ class TorchAttention(AttentionBackend):
         padded = [r + [0] * (width - len(r)) for r in rows]
         tables = torch.tensor(padded, dtype=torch.int64).to(self.device, non_blocking=True)
         lens = torch.tensor(seq_lens, dtype=torch.int64).to(self.device, non_blocking=True)
-        mask = None
-        if self.decode_kernel is None:
-            span = torch.arange(width * bs, device=self.device)
-            mask = (span[None, :] < lens[:, None])[:, None, None, :]
-        return _DecodePlan(slots, tables, lens, mask, shared, run)
+        return _DecodePlan(slots, tables, lens, bs, torch.get_num_threads(), shared, run)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: _PrefillPlan | _DecodePlan) -> torch.Tensor:
@@ -170,14 +178,14 @@ class TorchAttention(AttentionBackend):
                 meta: _DecodePlan) -> torch.Tensor:
         b = q.shape[0]
         if self.decode_kernel is not None:
-            out = self.decode_kernel(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.lens, self.scale,
-                                     torch.get_num_threads())
+            out = self.decode_kernel.run(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.lens, self.scale,
+                                         meta.threads)
             return out.view(b, -1)
         kc = _gather(k_cache, meta.block_tables).transpose(1, 2)  # [B, kv_heads, S, D]
         vc = _gather(v_cache, meta.block_tables).transpose(1, 2)
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
         if meta.shared is None:
-            out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.mask, scale=self.scale)
+            out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.mask(), scale=self.scale)
             return out.reshape(b, -1)
         own, own_lse = _flash_cpu(qg, kc, vc, attn_mask=meta.additive_mask(q.dtype), scale=self.scale)
         shared, shared_lse = self._decode_shared(qg, k_cache, v_cache, meta.shared, meta.shared_run)

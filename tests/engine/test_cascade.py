@@ -79,7 +79,7 @@ def test_runner_cascade_decode_matches_transformers(case, monkeypatch):
     decode takes the cascade path and each row's logits equal transformers on that row's whole text."""
     monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 16)
     runner = ModelRunner(case.path, dtype="float32", device="cpu", num_blocks=64, block_size=8,
-                         attention_backend="torch")  # the compiled kernel has no cascade split
+                         attention_backend="torch")  # the compiled kernel has no Python cascade split
     prefix = random_prompts([48], seed=5)[0]
     tails = random_prompts([3, 17, 30], seed=6)
     runner.prefill([PrefillChunk(prefix, 0, list(range(6)))])
