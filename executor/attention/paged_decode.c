@@ -11,11 +11,15 @@
  * running maximum m, normaliser l and unnormalised accumulator acc; s_t = scale * q . k_t):
  *   m' = max(m, max_t s_t);  l' = l e^(m - m') + sum_t e^(s_t - m');  acc' = acc e^(m - m') + sum_t e^(s_t - m') v_t
  * and out = acc / l after the last block.  All KV heads of a block are done before the next block, so the
- * block's rows are read from memory once.  The leading blocks every sequence of the batch shares (the
- * agents' common system prompt, cached once) are walked first, block by block with the sequences inner, so
- * each is read from memory once for the whole batch; then each sequence walks its own blocks.  The batch is
- * split into one group of sequences per OpenMP thread (`threads`), each group finding its own shared span
- * (with as many threads as sequences each group is one sequence: parallel, but no reuse).  Scores and value sums use AVX2 + FMA where the CPU has both (plain loops otherwise).
+ * block's rows are read from memory once.  A group of sequences is walked in lockstep (step j: block j of
+ * each sequence that has one), so the leading blocks they share (the agents' common system prompt, cached
+ * once) are read from memory once per step for all of them, while each sequence still sees its own blocks in
+ * their order: its result never depends on the rest of the batch or on `threads`.  Every visit prefetches the
+ * next visit's block a few rows at a time, spread over its work (the blocks are scattered, so the hardware's
+ * stream prefetcher starts cold at each).  The batch is split into one group of sequences per OpenMP thread
+ * (`threads`; with as many threads as sequences each group is one sequence: parallel, but no reuse).  Scores
+ * (two query heads per key load) and value sums (four per value load) use AVX2 + FMA where the CPU has both
+ * (plain loops otherwise).
  * Compiled with -ffast-math (vectorised exp, reassociated sums), hence no infinities below; subnormals are
  * flushed only inside the call (the caller's floating-point mode is restored).
  */
@@ -58,6 +62,26 @@ INLINE __m256 dots8(const float *restrict q, const float *restrict k, int64_t ro
     return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
+/* Scores of 4 consecutive tokens for 2 query heads: lanes 0-3 q0 . k_t, lanes 4-7 q1 . k_t.  Each key chunk
+ * is loaded once for both heads. */
+INLINE __m256 dots4x2(const float *restrict q0, const float *restrict q1, const float *restrict k, int64_t row,
+                      const int dim) {
+    __m256 a[8];
+    for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+    for (int d = 0; d < dim; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q0 + d), y = _mm256_loadu_ps(q1 + d);
+        for (int t = 0; t < 4; t++) {
+            __m256 kv = _mm256_loadu_ps(k + t * row + d);
+            __asm__("" : "+x"(kv)); /* one load for both heads */
+            a[t] = _mm256_fmadd_ps(x, kv, a[t]);
+            a[4 + t] = _mm256_fmadd_ps(y, kv, a[4 + t]);
+        }
+    }
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
 /* acc[i] += sum_t p[i][t] v_t for `rows` (1..4) query heads, two value chunks at a time: each chunk is
  * loaded once for all rows, and 2 x rows independent FMA chains hide the FMA latency. */
 INLINE void accumulate(float *restrict acc, const float *restrict p, const float *restrict vb, int n, int64_t row,
@@ -69,7 +93,8 @@ INLINE void accumulate(float *restrict acc, const float *restrict p, const float
             b[i] = _mm256_loadu_ps(acc + i * dim + d + 8);
         }
         for (int t = 0; t < n; t++) {
-            const __m256 v0 = _mm256_loadu_ps(vb + t * row + d), v1 = _mm256_loadu_ps(vb + t * row + d + 8);
+            __m256 v0 = _mm256_loadu_ps(vb + t * row + d), v1 = _mm256_loadu_ps(vb + t * row + d + 8);
+            __asm__("" : "+x"(v0), "+x"(v1)); /* keep the value chunk in registers for all rows */
             for (int i = 0; i < rows; i++) {
                 const __m256 w = _mm256_set1_ps(p[i * MAX_BLOCK + t]);
                 a[i] = _mm256_fmadd_ps(w, v0, a[i]);
@@ -112,89 +137,130 @@ INLINE void values(float *restrict acc, const float *restrict p, const float *re
             for (int d = 0; d < dim; d++) acc[g * dim + d] += p[g * MAX_BLOCK + t] * vb[t * row + d];
 }
 
+/* Rows [from, to) of this head's keys and values in the next block (pk, pv; NULL for none), asked for ahead
+ * of use, one cache line at a time; returns the rows asked for so far.  Spread over the block's work so the
+ * requests never queue up at once. */
+INLINE int prefetch_rows(const float *pk, const float *pv, int64_t row, const int dim, int from, int to) {
+    if (pk)
+        for (int t = from; t < to; t++)
+            for (int d = 0; d < dim; d += 16) {
+                __builtin_prefetch(pk + t * row + d, 0, 3);
+                __builtin_prefetch(pv + t * row + d, 0, 3);
+            }
+    return to > from ? to : from;
+}
+
 /* One block of one KV head: n tokens whose keys/values start at kb/vb, `row` floats apart; the group's
- * query heads q[g], running m[g], l[g], acc[g] updated in place. */
+ * query heads q[g], running m[g], l[g], acc[g] updated in place; the next block's pn rows of this head
+ * (pk, pv) prefetched along the way. */
 INLINE void attend_block(const float *restrict q, const float *restrict kb, const float *restrict vb, int n,
                          int64_t row, int group, const int dim, float scale, float *restrict m, float *restrict l,
-                         float *restrict acc) {
+                         float *restrict acc, const float *pk, const float *pv, int pn) {
     float p[MAX_GROUP * MAX_BLOCK];
+    int paired = 0, fetched = 0; /* query heads whose scores are in p; next-block rows asked for */
+#ifdef SIMD8
+    if (dim % 8 == 0)
+        for (; paired + 2 <= group; paired += 2) {
+            const float *q0 = q + paired * dim, *q1 = q0 + dim;
+            float *s0 = p + paired * MAX_BLOCK, *s1 = s0 + MAX_BLOCK;
+            int t = 0;
+            const int calls = (group / 2) * (n / 4);
+            for (; t + 4 <= n; t += 4) {
+                const int call = (paired / 2) * (n / 4) + t / 4;
+                fetched = prefetch_rows(pk, pv, row, dim, fetched, pn * (call + 1) / calls);
+                const __m256 v = dots4x2(q0, q1, kb + t * row, row, dim);
+                _mm_storeu_ps(s0 + t, _mm256_castps256_ps128(v));
+                _mm_storeu_ps(s1 + t, _mm256_extractf128_ps(v, 1));
+            }
+            for (; t < n; t++) {
+                float d0 = 0.0f, d1 = 0.0f;
+                for (int d = 0; d < dim; d++) d0 += q0[d] * kb[t * row + d], d1 += q1[d] * kb[t * row + d];
+                s0[t] = d0, s1[t] = d1;
+            }
+        }
+#endif
     for (int g = 0; g < group; g++) {
+        fetched = prefetch_rows(pk, pv, row, dim, fetched, pn * (g + 1) / group);
         float *restrict s = p + g * MAX_BLOCK;
-        scores(q + g * dim, kb, n, row, dim, s);
+        if (g >= paired) scores(q + g * dim, kb, n, row, dim, s);
         float mx = m[g];
         for (int t = 0; t < n; t++) {
             s[t] *= scale;
             mx = s[t] > mx ? s[t] : mx;
         }
-        const float c = expf(m[g] - mx); /* 1 when the maximum held; 0 on the first block (m = -FLT_MAX) */
         float sum = 0.0f;
         for (int t = 0; t < n; t++) {
             s[t] = expf(s[t] - mx);
             sum += s[t];
         }
-        l[g] = l[g] * c + sum;
+        if (mx > m[g]) { /* a new maximum rescales the running sums (to 0 on the first block, m = -FLT_MAX) */
+            const float c = expf(m[g] - mx);
+            l[g] *= c;
+            for (int d = 0; d < dim; d++) acc[g * dim + d] *= c;
+        }
+        l[g] += sum;
         m[g] = mx;
-        for (int d = 0; d < dim; d++) acc[g * dim + d] *= c;
     }
     values(acc, p, vb, n, row, group, dim);
 }
 
-/* Blocks [j0, j1) of one sequence into its running state (m, l, acc for each of its heads). */
-INLINE void attend_blocks(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
-                          const int64_t *restrict table, int64_t j0, int64_t j1, int64_t len, float *restrict m,
-                          float *restrict l, float *restrict acc, Shape sh, const int dim) {
+/* Block j (cache block id) of one sequence into its running state (m, l, acc for each of its heads); `next`
+ * is the block to ask for ahead of use (-1 for none). */
+INLINE void attend_one(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+                       int64_t id, int64_t j, int64_t len, float *restrict m, float *restrict l, float *restrict acc,
+                       Shape sh, const int dim, int64_t next) {
     const int kv_heads = sh.kv_heads, bs = sh.block_size, group = sh.heads / kv_heads;
     const int64_t row = (int64_t)kv_heads * dim; /* floats between consecutive tokens of one block */
-    for (int64_t j = j0; j < j1; j++) {
-        const int n = (int)(len - j * bs < bs ? len - j * bs : bs);
-        const int64_t base = table[j] * bs * row;
-        for (int h = 0; h < kv_heads; h++) {
-            const int first = h * group;
-            attend_block(q + first * dim, k_cache + base + h * dim, v_cache + base + h * dim, n, row, group, dim,
-                         sh.scale, m + first, l + first, acc + first * dim);
-        }
+    const int n = (int)(len - j * bs < bs ? len - j * bs : bs);
+    const int64_t base = id * bs * row, nbase = next < 0 ? 0 : next * bs * row;
+    for (int h = 0; h < kv_heads; h++) {
+        const int first = h * group;
+        attend_block(q + first * dim, k_cache + base + h * dim, v_cache + base + h * dim, n, row, group, dim,
+                     sh.scale, m + first, l + first, acc + first * dim, next < 0 ? NULL : k_cache + nbase + h * dim,
+                     next < 0 ? NULL : v_cache + nbase + h * dim, bs);
     }
 }
 
-/* Leading blocks identical in the tables of a group's sequences and complete in each (the agents' shared
- * system prompt, cached once). */
-static int64_t shared_blocks(const int64_t *tables, const int64_t *lens, int batch, int width, int block_size) {
-    int64_t shortest = lens[0];
-    for (int b = 1; b < batch; b++) shortest = lens[b] < shortest ? lens[b] : shortest;
-    const int64_t limit = shortest / block_size;
-    for (int64_t j = 0; j < limit; j++)
-        for (int b = 1; b < batch; b++)
-            if (tables[(int64_t)b * width + j] != tables[j]) return j;
-    return batch > 1 ? limit : 0;
+static inline int64_t blocks_of(const int64_t *lens, int b, int bs) { return (lens[b] + bs - 1) / bs; }
+
+/* The cache block of the visit after sequence b's block `step` in attend_group's order; -1 after the last. */
+static int64_t next_block(const int64_t *tables, const int64_t *lens, int b, int64_t step, int b0, int b1, int width,
+                          int bs, int64_t steps) {
+    for (;;) {
+        if (++b == b1) {
+            b = b0;
+            if (++step == steps) return -1;
+        }
+        if (step < blocks_of(lens, b, bs)) return tables[(int64_t)b * width + step];
+    }
 }
 
-/* Sequences [b0, b1): the blocks they all share first, block by block with the sequences inner (a shared
- * block is read from memory once for all of them), then each sequence's own blocks; the unnormalised
- * accumulators live in `out` until the final division. */
+/* Sequences [b0, b1) in lockstep: step j visits block j of every sequence that has one.  Each sequence's
+ * blocks are visited in their own order, so its result never depends on the rest of the batch, and the
+ * leading blocks the sequences share (the agents' system prompt, cached once) are read from memory once
+ * per step for all of them.  Every visit prefetches the next visit's block.  The unnormalised accumulators
+ * live in `out` until the final division. */
 INLINE void attend_group(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
                          const int64_t *restrict tables, const int64_t *restrict lens, float *restrict out,
                          float *restrict m, float *restrict l, int b0, int b1, int width, Shape sh, const int dim) {
-    const int heads = sh.heads;
-    const int64_t shared = shared_blocks(tables + (int64_t)b0 * width, lens + b0, b1 - b0, width, sh.block_size);
+    const int heads = sh.heads, bs = sh.block_size;
+    int64_t steps = 0;
+    for (int b = b0; b < b1; b++) steps = blocks_of(lens, b, bs) > steps ? blocks_of(lens, b, bs) : steps;
     for (int64_t i = (int64_t)b0 * heads; i < (int64_t)b1 * heads; i++) m[i] = -FLT_MAX, l[i] = 0.0f;
     memset(out + (int64_t)b0 * heads * dim, 0, sizeof(float) * (b1 - b0) * heads * dim);
-    for (int64_t j = 0; j < shared; j++)
+    for (int64_t j = 0; j < steps; j++)
         for (int b = b0; b < b1; b++) {
-            const int64_t at = (int64_t)b * heads;
-            attend_blocks(q + at * dim, k_cache, v_cache, tables + (int64_t)b * width, j, j + 1, lens[b], m + at,
-                          l + at, out + at * dim, sh, dim);
+            if (j >= blocks_of(lens, b, bs)) continue;
+            const int64_t at = (int64_t)b * heads, id = tables[(int64_t)b * width + j];
+            const int64_t next = next_block(tables, lens, b, j, b0, b1, width, bs, steps);
+            attend_one(q + at * dim, k_cache, v_cache, id, j, lens[b], m + at, l + at, out + at * dim, sh, dim,
+                       next == id ? -1 : next);
         }
-    for (int b = b0; b < b1; b++) {
-        const int64_t at = (int64_t)b * heads, blocks = (lens[b] + sh.block_size - 1) / sh.block_size;
-        attend_blocks(q + at * dim, k_cache, v_cache, tables + (int64_t)b * width, shared, blocks, lens[b], m + at,
-                      l + at, out + at * dim, sh, dim);
-        for (int h = 0; h < heads; h++) {
-            const float inv = 1.0f / l[at + h];
-            for (int d = 0; d < dim; d++) out[(at + h) * dim + d] *= inv;
-        }
+    for (int64_t i = (int64_t)b0 * heads; i < (int64_t)b1 * heads; i++) {
+        const float inv = 1.0f / l[i];
+        for (int d = 0; d < dim; d++) out[i * dim + d] *= inv;
     }
 }
-
 
 /* 1 when the kernel takes this model shape (its stack buffers are sized by the limits above), else 0. */
 int paged_decode_supports(int heads, int kv_heads, int dim, int block_size) {

@@ -90,6 +90,16 @@ def test_threads_split_sequences_without_changing_results(kernel):
         assert torch.equal(kernel(q, k_cache, v_cache, tables, lens, 0.125, threads=threads), one)
 
 
+def test_a_sequence_gets_the_same_bits_alone_as_in_a_batch_sharing_its_prefix(kernel):
+    """The batch is walked in lockstep, but each sequence still sees its blocks in its own order."""
+    q, k_cache, v_cache, tables, lens = random_case(2, 4, 64, 16, [300, 170, 100, 129, 64, 250], 1.0, seed=5,
+                                                    shared=4)
+    batch = kernel(q, k_cache, v_cache, tables, lens, 0.125)
+    for i in range(len(lens)):
+        alone = kernel(q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], 0.125)
+        assert torch.equal(alone[0], batch[i])
+
+
 def test_an_empty_batch_gives_an_empty_result(kernel):
     q, k_cache, v_cache, tables, lens = random_case(2, 2, 8, 4, [5], 1.0, seed=0)
     assert kernel(q[:0], k_cache, v_cache, tables[:0], lens[:0], 0.3).shape == (0, 4, 8)
