@@ -38,6 +38,17 @@ def _held_suffix(text: str, stops: Sequence[str]) -> int:
     return longest
 
 
+def _pending_start(text: str, stops: Sequence[str], before: int) -> int | None:
+    """Earliest index ``j < before`` where a stop string may still start: ``text[j:]`` is a proper prefix
+    of one (more text decides whether it completes)."""
+    longest = max(len(s) for s in stops)
+    for j in range(max(0, len(text) - longest + 1), before):
+        tail = text[j:]
+        if any(len(s) > len(tail) and s.startswith(tail) for s in stops):
+            return j
+    return None
+
+
 @dataclass
 class StopMatch:
     """What one :meth:`StopStringMatcher.feed` produced."""
@@ -57,10 +68,17 @@ class StopStringMatcher:
         self.stopped = False
 
     def feed(self, delta: str) -> StopMatch:
+        """The text safe to emit after ``delta``.  The stop string that starts first in the whole text
+        wins, however the text is split: a complete stop waits while an earlier one may still complete."""
         if self.stopped:
             return StopMatch("", True)
         buf = self._held + delta
         hit = find_stop(buf, self.stops)
+        pending = None if hit is None else _pending_start(buf, self.stops, hit[1])
+        if pending is not None:  # a stop starting earlier may still complete: it would win
+            self._held = buf[pending:]
+            self._emitted += pending
+            return StopMatch(buf[:pending])
         if hit is not None:
             stop, i = hit
             end = i + len(stop) if self.include_stop else i
@@ -74,7 +92,11 @@ class StopStringMatcher:
         return StopMatch(out)
 
     def flush(self) -> str:
-        """At the end of a stream: the held-back text was not a stop string after all."""
+        """At the end of a stream: the held-back text, cut at a stop string it holds (then ``stopped``)."""
         out, self._held = self._held, ""
+        hit = find_stop(out, self.stops)
+        if hit is not None:
+            stop, i = hit
+            out, self.stopped = out[: i + len(stop) if self.include_stop else i], True
         self._emitted += len(out)
         return out

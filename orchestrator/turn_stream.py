@@ -76,8 +76,8 @@ class TurnStream:
         tail = "" if self.stopped_by_string else self._detok.flush()
         if self._stops is not None and not self.stopped_by_string:
             match = self._stops.feed(tail)
-            self.stopped_by_string = match.stopped  # completed by the held-back tail
             tail = match.text + ("" if match.stopped else self._stops.flush())
+            self.stopped_by_string = self._stops.stopped  # completed by the held-back tail, or found in it
         if tail:
             self.text += tail
             events.append(TokenEvent(self.req, self.session, [], tail, t, time.time()))

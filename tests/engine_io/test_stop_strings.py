@@ -15,7 +15,8 @@ def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:
         out += m.text
         if m.stopped:
             return out, True
-    return out + matcher.flush(), False
+    tail = matcher.flush()
+    return out + tail, matcher.stopped
 
 
 def test_stop_split_across_deltas():
@@ -37,6 +38,20 @@ def test_earliest_of_several_stops_wins_and_include_stop():
     r = m.feed("abcxyz")
     assert (r.text, r.stop, r.truncate_at) == ("abcx", "x", 4)
     assert m.feed("more").text == ""
+
+
+def test_a_stop_that_starts_earlier_wins_even_when_a_later_one_completes_first():
+    m = StopStringMatcher(["O", "POO"])
+    assert (m.feed("PO").text, m.stopped) == ("", False)  # "PO" may still become "POO"
+    r = m.feed("O")
+    assert (r.text, r.stopped, r.stop) == ("", True, "POO")
+    m = StopStringMatcher(["O", "POO"])
+    m.feed("PO")
+    r = m.feed("x")
+    assert (r.text, r.stopped, r.stop) == ("P", True, "O")  # diverged: the complete "O" stops it
+    m = StopStringMatcher(["O", "POO"])
+    m.feed("PO")
+    assert (m.flush(), m.stopped) == ("P", True)  # the stream ends: "O" was complete
 
 
 def test_find_stop_with_new_chars():
