@@ -14,17 +14,20 @@ from typing import Any
 from agentserve import configs
 from agentserve.configs import ConfigError
 
+PREFILL_LANE_RESUMES = ("first", "idle", "never")  # when AgentServe's prefill lane takes resumes
+
 
 @dataclass(frozen=True, slots=True)
 class SchedCfg:
     policy: str = "agentserve"
     cold_threshold_tokens: int = 512
     max_batch_seqs: int = 256
-    cold_chunk_tokens: int = 512
+    cold_chunk_tokens: int = 256
     max_prefill_seqs: int = 8
     decode_full_rung_when_idle: bool = True
     decode_lookahead: int = 1
-    resumes_on_idle_prefill_lane: bool = True
+    prefill_lane_resumes: str = "first"
+    resume_ride_after_ms: float = 150.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +138,9 @@ class SchedulerConfig:
             (self.scheduler.cold_chunk_tokens > 0, "cold_chunk_tokens > 0"),
             (self.scheduler.max_batch_seqs > 0, "max_batch_seqs > 0"),
             (0 <= self.scheduler.decode_lookahead <= 4, "decode_lookahead in [0, 4]"),
+            (self.scheduler.prefill_lane_resumes in PREFILL_LANE_RESUMES,
+             f"prefill_lane_resumes in {PREFILL_LANE_RESUMES}"),
+            (self.scheduler.resume_ride_after_ms >= 0, "resume_ride_after_ms >= 0"),
             (self.chunked.token_budget > 0 and self.llamacpp.n_batch > 0, "token budgets > 0"),
             (self.llamacpp.n_slots > 0, "n_slots > 0"),
         ]

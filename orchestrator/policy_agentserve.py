@@ -3,9 +3,15 @@
 Decode lane, every step: every decoding request first (priority order), then resume prefills —
 admitted ones first, then waiting ones — up to ``B_prefill`` tokens (a mixed Plan), on rung
 ``R_min``.  Prefill lane, concurrently: cold prefills FIFO in chunks of ``cold_chunk_tokens`` on the
-same rung's prefill partition (on the full rung while nothing decodes); with no cold prefill to run
-(``resumes_on_idle_prefill_lane``) it takes the resumes the decode lane has not, so they start at
-once and stay out of decode steps.
+same rung's prefill partition (on the full rung while nothing decodes).
+
+Which lane a resume takes (``prefill_lane_resumes``): with ``first`` the prefill lane serves waiting
+resumes before its next cold chunk (a step of resumes only, so the lane is back soon), and a resume
+rides in a step with decodes in it only once it has waited ``resume_ride_after_ms`` since it arrived — on a CPU a
+56-token resume over a 3k context costs a decode step ~6x its usual time, paid by every agent
+decoding, while waiting for the prefill lane delays one cold prefill by the same amount.  With
+``idle`` the prefill lane takes resumes only when no cold prefill is left, with ``never`` not at all;
+both let a resume ride at once (the paper's piggybacking).
 The :class:`TpotController` moves ``B_prefill`` and ``R_min``.
 
 Decode takes the full (unpartitioned) rung while no cold prefill exists at all, or when the controller
@@ -84,14 +90,22 @@ class AgentServe(Policy):
         if lane is Lane.DECODE:
             rung = self.decode_rung(q, starving, other_rung)
             self.decode_all(batch, q)
-            self.add_resumes(batch, q, self.ctl.b_prefill, not starving)
+            ride_from = self.ride_from(now) if batch.num_decode else now  # no decodes: a resume delays no one
+            self.add_resumes(batch, q, self.ctl.b_prefill, not starving, ride_from)
             return batch.num_decode + self.ctl.b_prefill, rung
         rung = self.prefill_rung(q, starving, other_rung)
         sc = self.config.scheduler
         budget = sc.cold_chunk_tokens
-        if not self.add_colds(batch, q, budget, sc.max_prefill_seqs) and sc.resumes_on_idle_prefill_lane:
+        if sc.prefill_lane_resumes == "first" and not starving and self.add_resumes(batch, q, budget, True):
+            return budget, rung  # a starving cold prefill goes first (the guard)
+        if not self.add_colds(batch, q, budget, sc.max_prefill_seqs) and sc.prefill_lane_resumes == "idle":
             self.add_resumes(batch, q, budget, not starving)
         return budget, rung
+
+    def ride_from(self, now: float) -> float:
+        """Resumes that arrived after this time wait for the prefill lane instead of riding in decode."""
+        sc = self.config.scheduler
+        return now - sc.resume_ride_after_ms / 1e3 if sc.prefill_lane_resumes == "first" else now
 
     def prefill_rung(self, q: Queues, starving: bool, decode_rung: int | None) -> int:
         """The prefill lane's rung, given the rung the decode lane holds (``None``: idle)."""
@@ -101,12 +115,15 @@ class AgentServe(Policy):
         headed = self._wanted_rung(q, starving)  # where decode goes while this prefill step runs
         return headed if decode_rung is None or headed == full else decode_rung
 
-    def add_resumes(self, batch: Batch, q: Queues, budget: int, admit_new: bool) -> int:
+    def add_resumes(self, batch: Batch, q: Queues, budget: int, admit_new: bool,
+                    arrived_by: float = float("inf")) -> int:
+        """Resume prefills up to ``budget`` tokens, those that arrived by ``arrived_by`` only."""
         left = budget
         for req in q.phase_order(Phase.RESUME):
             if left <= 0 or batch.full or (req.state is ReqState.WAITING and not admit_new):
                 break
-            left -= batch.prefill(req, left, Phase.RESUME)
+            if req.arrival <= arrived_by:
+                left -= batch.prefill(req, left, Phase.RESUME)
         return budget - left
 
     def add_colds(self, batch: Batch, q: Queues, budget: int, max_seqs: int) -> int:

@@ -78,6 +78,10 @@ def test_config_files_load_and_override():
         load_config(overrides={"controller": {"bogus": 1}})
     with pytest.raises(ConfigError, match="theta_low < theta_high"):
         load_config(overrides={"slo": {"theta_low": 0.9, "theta_high": 0.8}})
+    with pytest.raises(ConfigError, match="prefill_lane_resumes in"):
+        load_config(overrides={"scheduler": {"prefill_lane_resumes": "always"}})
+    with pytest.raises(ConfigError, match="resume_ride_after_ms >= 0"):
+        load_config(environ={"AGENTSERVE_SCHEDULER_RESUME_RIDE_AFTER_MS": "-1"})
 
 
 def test_submit_validates():
@@ -224,8 +228,9 @@ def test_two_lane_plans_carry_lane_and_rung():
     lanes = {p.lane: p for p in plans}
     assert set(lanes) == {Lane.DECODE, Lane.PREFILL}
     assert lanes[Lane.DECODE].rung == lanes[Lane.PREFILL].rung in d.sched.ladder.control
-    assert lanes[Lane.PREFILL].token_budget == SchedulerConfig().scheduler.cold_chunk_tokens
-    assert sum(len(s.token_ids) for s in lanes[Lane.PREFILL].seqs) == 512
+    chunk = SchedulerConfig().scheduler.cold_chunk_tokens
+    assert lanes[Lane.PREFILL].token_budget == chunk
+    assert sum(len(s.token_ids) for s in lanes[Lane.PREFILL].seqs) == chunk
     assert not lanes[Lane.PREFILL].seqs[0].sample, "only the last chunk samples"
 
 
@@ -241,13 +246,16 @@ def test_with_nothing_to_decode_a_cold_prefill_takes_the_whole_device():
     assert plans[Lane.PREFILL].rung == plans[Lane.DECODE].rung in d.sched.ladder.control
 
 
-@pytest.mark.parametrize("on_prefill_lane", [True, False])
-def test_with_no_cold_prefill_a_resume_takes_the_idle_prefill_lane(on_prefill_lane):
-    d = Driver()
+def _with_scheduler(d: Driver, **changes) -> None:
     cfg = d.sched.config
-    d.sched.config = dataclasses.replace(
-        cfg, scheduler=dataclasses.replace(cfg.scheduler, resumes_on_idle_prefill_lane=on_prefill_lane))
+    d.sched.config = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, **changes))
     d.sched.policy.config = d.sched.config
+
+
+@pytest.mark.parametrize("mode", ["first", "idle", "never"])
+def test_with_no_cold_prefill_a_resume_takes_the_idle_prefill_lane(mode):
+    d = Driver()
+    _with_scheduler(d, prefill_lane_resumes=mode)
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     decoding = d.sched.submit(d.sched.open_session(), list(range(10, 60)), sp)
     d.pump()
@@ -257,7 +265,7 @@ def test_with_no_cold_prefill_a_resume_takes_the_idle_prefill_lane(on_prefill_la
     resume = d.sched.submit(d.sched.open_session(), list(range(300, 360)), sp)
     assert d.sched.requests[resume].phase is Phase.RESUME
     plans = d.pump()  # the decode lane is busy: only the prefill lane is free
-    if on_prefill_lane:
+    if mode != "never":
         (plan,) = plans
         assert plan.lane is Lane.PREFILL and [s.seq_id for s in plan.seqs] == [resume]
         assert plan.seqs[0].sample and len(plan.seqs[0].token_ids) == 60
@@ -273,6 +281,48 @@ def test_with_no_cold_prefill_a_resume_takes_the_idle_prefill_lane(on_prefill_la
         assert plan.lane is Lane.DECODE and {s.seq_id for s in plan.seqs} == {decoding, resume}
     d.until_finished(resume)
     d.until_finished(decoding)
+    d.sched.check()
+
+
+@pytest.mark.parametrize("mode, ride_after_ms, expect", [
+    ("first", 1000.0, "prefill lane, before the next cold chunk"),
+    ("first", 20.0, "decode lane, after waiting"),
+    ("idle", 1000.0, "decode lane, at once"),
+])
+def test_a_resume_beside_a_cold_prefill_waits_for_the_prefill_lane_or_rides_in_decode(mode, ride_after_ms, expect):
+    """While a cold chunk holds the prefill lane, a resume riding in a decode step would slow every
+    decoding agent; with ``first`` it waits for the prefill lane (ahead of the next cold chunk), unless
+    that takes longer than ``resume_ride_after_ms``."""
+    d = Driver()
+    _with_scheduler(d, prefill_lane_resumes=mode, resume_ride_after_ms=ride_after_ms)
+    sp = SamplingParams(max_tokens=200, ignore_eos=True)
+    decoding = d.sched.submit(d.sched.open_session(), list(range(10, 60)), sp)
+    d.pump()
+    d.land()
+    d.pump()  # decoding now
+    cold = d.sched.submit(d.sched.open_session(), list(range(100, 3100)), sp)
+    (chunk,) = d.pump()
+    assert chunk.lane is Lane.PREFILL and [s.seq_id for s in chunk.seqs] == [cold]
+    resume = d.sched.submit(d.sched.open_session(), list(range(300, 360)), sp)
+    arrived = d.now
+    for _ in range(200):  # land steps until some plan carries the resume
+        d.land()
+        plans = d.pump()
+        carrying = [p for p in plans if resume in {s.seq_id for s in p.seqs}]
+        if carrying:
+            break
+    (plan,) = carrying
+    ids = [s.seq_id for s in plan.seqs]
+    if expect.startswith("prefill lane"):
+        assert plan.lane is Lane.PREFILL and ids == [resume], "a step of the resume alone, no cold tokens"
+        assert d.sched.requests[cold].num_computed < 3000, "the cold prefill was not finished first"
+    else:
+        assert plan.lane is Lane.DECODE and set(ids) == {decoding, resume}
+        waited = d.now - arrived
+        assert (waited >= ride_after_ms / 1e3) if expect.endswith("waiting") else (waited < 0.02)
+        assert d.exe.busy_until[Lane.PREFILL] > d.now, "the cold chunk still holds the prefill lane"
+    for seq in (resume, cold, decoding):
+        d.until_finished(seq)
     d.sched.check()
 
 
