@@ -196,6 +196,8 @@ class LLM:
             if s.finish != Finish.NONE and not s.matcher.stopped:
                 self._emit_text(s, s.detok.flush())
                 s.text += s.matcher.flush()
+                if s.matcher.stopped:  # the held-back text held a stop string
+                    s.finish = Finish.STOP
 
     @staticmethod
     def _emit_text(s: _Seq, delta: str) -> None:

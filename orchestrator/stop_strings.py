@@ -38,13 +38,16 @@ def _held_suffix(text: str, stops: Sequence[str]) -> int:
     return longest
 
 
-def _pending_start(text: str, stops: Sequence[str], before: int) -> int | None:
-    """Earliest index ``j < before`` where a stop string may still start: ``text[j:]`` is a proper prefix
-    of one (more text decides whether it completes)."""
+def _pending_start(text: str, stops: Sequence[str], hit: tuple[str, int]) -> int | None:
+    """Earliest index where a stop string that would beat ``hit`` may still start: ``text[j:]`` is a
+    proper prefix of it (more text decides), and it starts before the hit or at the same index and comes
+    earlier in ``stops`` (``find_stop``'s tie rule)."""
+    stop, at = hit
+    rank = stops.index(stop)
     longest = max(len(s) for s in stops)
-    for j in range(max(0, len(text) - longest + 1), before):
+    for j in range(max(0, len(text) - longest + 1), at + 1):
         tail = text[j:]
-        if any(len(s) > len(tail) and s.startswith(tail) for s in stops):
+        if any(len(s) > len(tail) and s.startswith(tail) and (j < at or r < rank) for r, s in enumerate(stops)):
             return j
     return None
 
@@ -74,7 +77,7 @@ class StopStringMatcher:
             return StopMatch("", True)
         buf = self._held + delta
         hit = find_stop(buf, self.stops)
-        pending = None if hit is None else _pending_start(buf, self.stops, hit[1])
+        pending = None if hit is None else _pending_start(buf, self.stops, hit)
         if pending is not None:  # a stop starting earlier may still complete: it would win
             self._held = buf[pending:]
             self._emitted += pending

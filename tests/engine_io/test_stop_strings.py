@@ -5,7 +5,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agentserve.orchestrator.protocol import FinishReason
 from agentserve.orchestrator.stop_strings import StopStringMatcher, find_stop
+from agentserve.orchestrator.tokenization import Tokenizer
+from agentserve.orchestrator.turn_stream import TurnStream
+from agentserve.shm.messages import Finish
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:
@@ -61,17 +65,39 @@ def test_find_stop_with_new_chars():
     assert find_stop("abc", ["", "zz"]) is None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     text=st.text(alphabet="abcS TOP", max_size=40),
     stops=st.lists(st.text(alphabet="abcS TOP", min_size=1, max_size=4), min_size=1, max_size=3),
     cuts=st.lists(st.integers(0, 40), max_size=8),
+    include_stop=st.booleans(),
 )
-def test_streaming_equals_one_shot(text, stops, cuts):
-    """However the text is split into deltas, the output is the text up to the first stop."""
+def test_streaming_equals_one_shot(text, stops, cuts, include_stop):
+    """However the text is split into deltas, the output is the text up to the first stop (with it, for
+    ``include_stop``)."""
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    out, stopped = feed_all(StopStringMatcher(stops), pieces)
+    out, stopped = feed_all(StopStringMatcher(stops, include_stop=include_stop), pieces)
     hit = find_stop(text, stops)
     assert stopped == (hit is not None)
-    assert out == (text[: hit[1]] if hit else text)
+    end = None if hit is None else hit[1] + (len(hit[0]) if include_stop else 0)
+    assert out == text[:end]
+
+
+def test_at_the_same_start_the_stop_listed_first_wins_when_it_completes_later():
+    m = StopStringMatcher(["abc", "ab"], include_stop=True)
+    assert m.feed("ab").text == ""  # "ab" is complete, but "abc" (listed first) may still follow
+    r = m.feed("c")
+    assert (r.text, r.stop) == ("abc", "abc")
+
+
+def test_a_turn_cut_at_a_stop_found_only_when_it_ends_finishes_with_stop(tiny_dir):
+    """At the end of a stream the held-back text is searched too: its stop string cuts the text and
+    the turn finishes with ``stop``, not ``length``."""
+    tok = Tokenizer.from_dir(tiny_dir)
+    turn = TurnStream(1, 1, 1, tok, ["O", "POO"], frozenset(), False, 0.0, [], [])
+    for token_id in tok.encode("xPO", add_special_tokens=False):
+        turn.on_token(token_id, 0.0)
+    assert turn.text == "x", "'PO' is held: it may still become 'POO'"
+    *_, done = turn.finish(Finish.LENGTH, 1.0, 0)
+    assert turn.text == "xP" and done.finish == FinishReason.STOP
