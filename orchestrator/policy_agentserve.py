@@ -6,7 +6,8 @@ admitted ones first, then waiting ones — up to ``B_prefill`` tokens (a mixed P
 same rung's prefill partition (on the full rung while nothing decodes).
 
 Which lane a resume takes (``prefill_lane_resumes``): with ``first`` the prefill lane serves waiting
-resumes before its next cold chunk (a step of resumes only, so the lane is back soon), and a resume
+resumes before its next cold chunk (a step of resumes only, so the lane is back soon; never two such
+steps running while a cold prefill waits, so a flood of resumes cannot hold it back), and a resume
 rides in a step with decodes in it only once it has waited ``resume_ride_after_ms`` since it arrived — on a CPU a
 56-token resume over a 3k context costs a decode step ~6x its usual time, paid by every agent
 decoding, while waiting for the prefill lane delays one cold prefill by the same amount.  With
@@ -52,6 +53,7 @@ class AgentServe(Policy):
         super().__init__(config, ladder)
         self.ctl = TpotController(config.controller, config.slo, self.control_ladder(), self.feedback)
         self.guard_pos = ladder.highest_below(1.0 - config.guard.min_prefill_share)
+        self.resumes_ran_last = False  # the prefill lane's last step was resumes only
 
     def control_ladder(self) -> Ladder:
         return self.ladder
@@ -93,12 +95,21 @@ class AgentServe(Policy):
             ride_from = self.ride_from(now) if batch.num_decode else now  # no decodes: a resume delays no one
             self.add_resumes(batch, q, self.ctl.b_prefill, not starving, ride_from)
             return batch.num_decode + self.ctl.b_prefill, rung
-        rung = self.prefill_rung(q, starving, other_rung)
+        return self.fill_prefill(batch, q, starving, other_rung)
+
+    def fill_prefill(self, batch: Batch, q: Queues, starving: bool, decode_rung: int | None) -> tuple[int, int]:
+        """The prefill lane's step: a cold chunk, or waiting resumes (``prefill_lane_resumes``)."""
+        rung = self.prefill_rung(q, starving, decode_rung)
         sc = self.config.scheduler
         budget = sc.cold_chunk_tokens
-        if sc.prefill_lane_resumes == "first" and not starving and self.add_resumes(batch, q, budget, True):
-            return budget, rung  # a starving cold prefill goes first (the guard)
-        if not self.add_colds(batch, q, budget, sc.max_prefill_seqs) and sc.prefill_lane_resumes == "idle":
+        mode = sc.prefill_lane_resumes
+        # resumes first, but never twice running while a cold prefill waits; a starving one goes first
+        if mode == "first" and not starving and not self.resumes_ran_last:
+            if self.add_resumes(batch, q, budget, True):
+                self.resumes_ran_last = True
+                return budget, rung
+        self.resumes_ran_last = False
+        if not self.add_colds(batch, q, budget, sc.max_prefill_seqs) and mode != "never":
             self.add_resumes(batch, q, budget, not starving)
         return budget, rung
 

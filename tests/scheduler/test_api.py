@@ -226,7 +226,7 @@ def test_two_lane_plans_carry_lane_and_rung():
     d.sched.submit(d.sched.open_session(), list(range(100, 3100)), sp)
     plans = d.pump()
     lanes = {p.lane: p for p in plans}
-    assert set(lanes) == {Lane.DECODE, Lane.PREFILL}
+    assert set(lanes) == {Lane.DECODE, Lane.PREFILL}, "nothing decodes yet: the short prompt rides at once"
     assert lanes[Lane.DECODE].rung == lanes[Lane.PREFILL].rung in d.sched.ladder.control
     chunk = SchedulerConfig().scheduler.cold_chunk_tokens
     assert lanes[Lane.PREFILL].token_budget == chunk
@@ -284,17 +284,8 @@ def test_with_no_cold_prefill_a_resume_takes_the_idle_prefill_lane(mode):
     d.sched.check()
 
 
-@pytest.mark.parametrize("mode, ride_after_ms, expect", [
-    ("first", 1000.0, "prefill lane, before the next cold chunk"),
-    ("first", 20.0, "decode lane, after waiting"),
-    ("idle", 1000.0, "decode lane, at once"),
-])
-def test_a_resume_beside_a_cold_prefill_waits_for_the_prefill_lane_or_rides_in_decode(mode, ride_after_ms, expect):
-    """While a cold chunk holds the prefill lane, a resume riding in a decode step would slow every
-    decoding agent; with ``first`` it waits for the prefill lane (ahead of the next cold chunk), unless
-    that takes longer than ``resume_ride_after_ms``."""
-    d = Driver()
-    _with_scheduler(d, prefill_lane_resumes=mode, resume_ride_after_ms=ride_after_ms)
+def _decoding_beside_a_cold_prefill(d: Driver) -> tuple[int, int]:
+    """One request decoding, a 3000-token cold prefill's first chunk on the prefill lane."""
     sp = SamplingParams(max_tokens=200, ignore_eos=True)
     decoding = d.sched.submit(d.sched.open_session(), list(range(10, 60)), sp)
     d.pump()
@@ -303,26 +294,67 @@ def test_a_resume_beside_a_cold_prefill_waits_for_the_prefill_lane_or_rides_in_d
     cold = d.sched.submit(d.sched.open_session(), list(range(100, 3100)), sp)
     (chunk,) = d.pump()
     assert chunk.lane is Lane.PREFILL and [s.seq_id for s in chunk.seqs] == [cold]
-    resume = d.sched.submit(d.sched.open_session(), list(range(300, 360)), sp)
+    return decoding, cold
+
+
+@pytest.mark.parametrize("mode, ride_after_ms, lane, waits", [
+    ("first", 1000.0, Lane.PREFILL, True),  # the cold chunk ends first: the resume takes the prefill lane
+    ("first", 20.0, Lane.DECODE, True),  # the cold chunk outlasts the wait: the resume rides
+    ("idle", 1000.0, Lane.DECODE, False),  # rides at once (the paper's piggybacking)
+    ("never", 1000.0, Lane.DECODE, False),
+])
+def test_a_resume_beside_a_cold_prefill_waits_for_the_prefill_lane_or_rides_in_decode(mode, ride_after_ms, lane,
+                                                                                         waits):
+    """While a cold chunk holds the prefill lane, a resume riding in a decode step would slow every
+    decoding agent; with ``first`` it waits for the prefill lane (ahead of the next cold chunk), unless
+    that takes longer than ``resume_ride_after_ms``."""
+    d = Driver()
+    _with_scheduler(d, prefill_lane_resumes=mode, resume_ride_after_ms=ride_after_ms)
+    decoding, cold = _decoding_beside_a_cold_prefill(d)
+    resume = d.sched.submit(d.sched.open_session(), list(range(300, 360)), SamplingParams(max_tokens=5))
     arrived = d.now
     for _ in range(200):  # land steps until some plan carries the resume
         d.land()
-        plans = d.pump()
-        carrying = [p for p in plans if resume in {s.seq_id for s in p.seqs}]
+        carrying = [p for p in d.pump() if resume in {s.seq_id for s in p.seqs}]
         if carrying:
             break
     (plan,) = carrying
     ids = [s.seq_id for s in plan.seqs]
-    if expect.startswith("prefill lane"):
-        assert plan.lane is Lane.PREFILL and ids == [resume], "a step of the resume alone, no cold tokens"
+    assert plan.lane is lane
+    if lane is Lane.PREFILL:
+        assert ids == [resume], "a step of the resume alone, no cold tokens"
         assert d.sched.requests[cold].num_computed < 3000, "the cold prefill was not finished first"
     else:
-        assert plan.lane is Lane.DECODE and set(ids) == {decoding, resume}
-        waited = d.now - arrived
-        assert (waited >= ride_after_ms / 1e3) if expect.endswith("waiting") else (waited < 0.02)
+        assert set(ids) == {decoding, resume}
         assert d.exe.busy_until[Lane.PREFILL] > d.now, "the cold chunk still holds the prefill lane"
+        waited = d.now - arrived
+        assert waited >= ride_after_ms / 1e3 if waits else waited < 0.02
     for seq in (resume, cold, decoding):
         d.until_finished(seq)
+    d.sched.check()
+
+
+def test_resumes_and_cold_chunks_take_turns_on_the_prefill_lane():
+    """Resumes go before the next cold chunk, but never two resume steps running while a cold prefill
+    waits: a stream of resumes cannot hold it back."""
+    d = Driver()
+    _with_scheduler(d, resume_ride_after_ms=1e6)  # resumes never ride: all of them take the prefill lane
+    _, cold = _decoding_beside_a_cold_prefill(d)
+    resumes = set()
+    kinds = []
+    for i in range(400):
+        if i % 3 == 0 and len(resumes) < 12:
+            resumes.add(d.sched.submit(d.sched.open_session(), list(range(300 + i, 360 + i)), SamplingParams(max_tokens=2)))
+        d.land()
+        for p in d.pump():
+            if p.lane is Lane.PREFILL:
+                ids = {s.seq_id for s in p.seqs}
+                assert ids <= resumes or ids == {cold}, "a step is resumes only or the cold chunk only"
+                kinds.append("cold" if cold in ids else "resume")
+        if d.sched.requests.get(cold) is None or d.sched.requests[cold].num_computed >= 3000:
+            break
+    assert "resume" in kinds and kinds.count("cold") >= 3000 // d.sched.config.scheduler.cold_chunk_tokens - 1
+    assert all(not (a == b == "resume") for a, b in zip(kinds, kinds[1:])), kinds
     d.sched.check()
 
 
