@@ -48,6 +48,13 @@ typedef struct {
 #define SIMD8 1
 #include <immintrin.h>
 
+/* The sums of 8 vectors, one per lane (lane i = the sum of a[i]'s lanes): a horizontal-add tree. */
+INLINE __m256 sum_lanes(const __m256 a[8]) {
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
 /* Scores of 8 consecutive tokens: q . k_t for t = 0..7, as one vector.  8 independent FMA chains, then a
  * horizontal-add tree that sums each chain into its lane. */
 INLINE __m256 dots8(const float *restrict q, const float *restrict k, int64_t row, const int dim) {
@@ -57,9 +64,7 @@ INLINE __m256 dots8(const float *restrict q, const float *restrict k, int64_t ro
         const __m256 qv = _mm256_loadu_ps(q + d);
         for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * row + d), a[t]);
     }
-    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+    return sum_lanes(a);
 }
 
 /* Scores of 4 consecutive tokens for 2 query heads: lanes 0-3 q0 . k_t, lanes 4-7 q1 . k_t.  Each key chunk
@@ -77,9 +82,7 @@ INLINE __m256 dots4x2(const float *restrict q0, const float *restrict q1, const 
             a[4 + t] = _mm256_fmadd_ps(y, kv, a[4 + t]);
         }
     }
-    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+    return sum_lanes(a);
 }
 
 /* acc[i] += sum_t p[i][t] v_t for `rows` (1..4) query heads, two value chunks at a time: each chunk is
@@ -172,11 +175,8 @@ INLINE void attend_block(const float *restrict q, const float *restrict kb, cons
                 _mm_storeu_ps(s0 + t, _mm256_castps256_ps128(v));
                 _mm_storeu_ps(s1 + t, _mm256_extractf128_ps(v, 1));
             }
-            for (; t < n; t++) {
-                float d0 = 0.0f, d1 = 0.0f;
-                for (int d = 0; d < dim; d++) d0 += q0[d] * kb[t * row + d], d1 += q1[d] * kb[t * row + d];
-                s0[t] = d0, s1[t] = d1;
-            }
+            scores(q0, kb + t * row, n - t, row, dim, s0 + t); /* the last n % 4 tokens */
+            scores(q1, kb + t * row, n - t, row, dim, s1 + t);
         }
 #endif
     for (int g = 0; g < group; g++) {
@@ -204,7 +204,7 @@ INLINE void attend_block(const float *restrict q, const float *restrict kb, cons
     values(acc, p, vb, n, row, group, dim);
 }
 
-/* Block j (cache block id) of one sequence into its running state (m, l, acc for each of its heads); `next`
+/* Block number j of one sequence (cache block `id`) into its running state (m, l, acc for each of its heads); `next`
  * is the block to ask for ahead of use (-1 for none). */
 INLINE void attend_one(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
                        int64_t id, int64_t j, int64_t len, float *restrict m, float *restrict l, float *restrict acc,

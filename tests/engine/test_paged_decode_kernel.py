@@ -73,7 +73,7 @@ def random_case(kv_heads: int, group: int, dim: int, block_size: int, lens: list
 def test_kernel_equals_float64_attention(kernel, kv_heads, group, dim, block_size, lens, magnitude, seed, shared):
     """Groups of odd sizes, head sizes with and without a vector remainder, partial last blocks, large
     scores (the online softmax must rescale without overflow), and leading blocks shared by the batch
-    (walked once for all its sequences, also where some sequence ends inside them)."""
+    (read once per lockstep step for all its sequences, also where some sequence ends inside them)."""
     q, k_cache, v_cache, tables, lens_t = random_case(kv_heads, group, dim, block_size, lens, magnitude, seed,
                                                       shared)
     scale = dim**-0.5
@@ -90,10 +90,13 @@ def test_threads_split_sequences_without_changing_results(kernel):
         assert torch.equal(kernel(q, k_cache, v_cache, tables, lens, 0.125, threads=threads), one)
 
 
-def test_a_sequence_gets_the_same_bits_alone_as_in_a_batch_sharing_its_prefix(kernel):
+@pytest.mark.parametrize("kv_heads, group, dim, block_size", [(2, 4, 64, 16), (1, 1, 12, 1), (3, 3, 64, 7),
+                                                              (2, 5, 128, 16)])
+def test_a_sequence_gets_the_same_bits_alone_as_in_a_batch_sharing_its_prefix(kernel, kv_heads, group, dim,
+                                                                               block_size):
     """The batch is walked in lockstep, but each sequence still sees its blocks in its own order."""
-    q, k_cache, v_cache, tables, lens = random_case(2, 4, 64, 16, [300, 170, 100, 129, 64, 250], 1.0, seed=5,
-                                                    shared=4)
+    q, k_cache, v_cache, tables, lens = random_case(kv_heads, group, dim, block_size, [300, 170, 100, 129, 64, 250],
+                                                    1.0, seed=5, shared=4)
     batch = kernel(q, k_cache, v_cache, tables, lens, 0.125)
     for i in range(len(lens)):
         alone = kernel(q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], 0.125)
