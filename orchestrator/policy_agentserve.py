@@ -104,10 +104,9 @@ class AgentServe(Policy):
         budget = sc.cold_chunk_tokens
         mode = sc.prefill_lane_resumes
         # resumes first, but never twice running while a cold prefill waits; a starving one goes first
-        if mode == "first" and not starving and not self.resumes_ran_last:
-            if self.add_resumes(batch, q, budget, True):
-                self.resumes_ran_last = True
-                return budget, rung
+        if mode == "first" and not starving and not self.resumes_ran_last and self.add_resumes(batch, q, budget, True):
+            self.resumes_ran_last = True
+            return budget, rung
         self.resumes_ran_last = False
         if not self.add_colds(batch, q, budget, sc.max_prefill_seqs) and mode != "never":
             self.add_resumes(batch, q, budget, not starving)

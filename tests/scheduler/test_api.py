@@ -344,7 +344,8 @@ def test_resumes_and_cold_chunks_take_turns_on_the_prefill_lane():
     kinds = []
     for i in range(400):
         if i % 3 == 0 and len(resumes) < 12:
-            resumes.add(d.sched.submit(d.sched.open_session(), list(range(300 + i, 360 + i)), SamplingParams(max_tokens=2)))
+            prompt = list(range(300 + i, 360 + i))
+            resumes.add(d.sched.submit(d.sched.open_session(), prompt, SamplingParams(max_tokens=2)))
         d.land()
         for p in d.pump():
             if p.lane is Lane.PREFILL:
@@ -354,7 +355,7 @@ def test_resumes_and_cold_chunks_take_turns_on_the_prefill_lane():
         if d.sched.requests.get(cold) is None or d.sched.requests[cold].num_computed >= 3000:
             break
     assert "resume" in kinds and kinds.count("cold") >= 3000 // d.sched.config.scheduler.cold_chunk_tokens - 1
-    assert all(not (a == b == "resume") for a, b in zip(kinds, kinds[1:])), kinds
+    assert all(not (a == b == "resume") for a, b in zip(kinds, kinds[1:], strict=False)), kinds
     d.sched.check()
 
 
