@@ -20,12 +20,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentserve import configs
 from agentserve.bench.driver import Driver
 from agentserve.bench.http_sse import get
 from agentserve.bench.openai_driver import OpenAIDriver
 from agentserve.bench.sdk_driver import SDKDriver
 
-LLAMA_CACHE = Path(os.environ.get("AGENTSERVE_LLAMA_CACHE", Path.home() / ".cache/agentserve/llama.cpp"))
+LLAMA_CACHE = configs.cache_dir("AGENTSERVE_LLAMA_CACHE", "llama.cpp")
 
 
 class ServerFailed(RuntimeError):

@@ -19,6 +19,12 @@ class ConfigError(ValueError):
     """A configuration file or value is missing or malformed."""
 
 
+def cache_dir(env: str, name: str) -> Path:
+    """Where AgentServe keeps what it writes once and reuses: ``$env`` if set, else ``~/.cache/agentserve/<name>``."""
+    value = os.environ.get(env)
+    return Path(value) if value else Path.home() / ".cache" / "agentserve" / name
+
+
 def packaged(name: str) -> dict[str, Any]:
     """Read a TOML file shipped in ``agentserve.configs`` (``name`` without ``.toml``; may hold a ``/``)."""
     parts = name.split("/")

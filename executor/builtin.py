@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentserve import configs
 from agentserve.executor.builtin_template import CHAT_TEMPLATE
 from agentserve.executor.errors import CheckpointError
 
@@ -55,8 +56,7 @@ def vocab_size() -> int:
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "agentserve" / "models"
+    return configs.cache_dir(CACHE_ENV, "models")
 
 
 def resolve_model(name_or_path: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:

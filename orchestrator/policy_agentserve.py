@@ -92,8 +92,8 @@ class AgentServe(Policy):
         if lane is Lane.DECODE:
             rung = self.decode_rung(q, starving, other_rung)
             self.decode_all(batch, q)
-            ride_from = self.ride_from(now) if batch.num_decode else now  # no decodes: a resume delays no one
-            self.add_resumes(batch, q, self.ctl.b_prefill, not starving, ride_from)
+            self.add_prefills(batch, q, Phase.RESUME, self.ctl.b_prefill, admit_new=not starving,
+                              arrived_by=self.ride_from(now, batch.num_decode > 0))
             return batch.num_decode + self.ctl.b_prefill, rung
         return self.fill_prefill(batch, q, starving, other_rung)
 
@@ -104,18 +104,21 @@ class AgentServe(Policy):
         budget = sc.cold_chunk_tokens
         mode = sc.prefill_lane_resumes
         # resumes first, but never twice running while a cold prefill waits; a starving one goes first
-        if mode == "first" and not starving and not self.resumes_ran_last and self.add_resumes(batch, q, budget, True):
+        resumes_first = mode == "first" and not starving and not self.resumes_ran_last
+        if resumes_first and self.add_prefills(batch, q, Phase.RESUME, budget):
             self.resumes_ran_last = True
             return budget, rung
         self.resumes_ran_last = False
-        if not self.add_colds(batch, q, budget, sc.max_prefill_seqs) and mode != "never":
-            self.add_resumes(batch, q, budget, not starving)
+        if not self.add_prefills(batch, q, Phase.COLD, budget, max_seqs=sc.max_prefill_seqs) and mode != "never":
+            self.add_prefills(batch, q, Phase.RESUME, budget, admit_new=not starving)
         return budget, rung
 
-    def ride_from(self, now: float) -> float:
-        """Resumes that arrived after this time wait for the prefill lane instead of riding in decode."""
+    def ride_from(self, now: float, decoding: bool) -> float:
+        """Resumes that arrived after this time wait for the prefill lane instead of riding in a decode step
+        (with ``first``, in a step that has decodes: with none, a resume delays no one)."""
         sc = self.config.scheduler
-        return now - sc.resume_ride_after_ms / 1e3 if sc.prefill_lane_resumes == "first" else now
+        waits = sc.prefill_lane_resumes == "first" and decoding
+        return now - sc.resume_ride_after_ms / 1e3 if waits else now
 
     def prefill_rung(self, q: Queues, starving: bool, decode_rung: int | None) -> int:
         """The prefill lane's rung, given the rung the decode lane holds (``None``: idle)."""
@@ -125,23 +128,19 @@ class AgentServe(Policy):
         headed = self._wanted_rung(q, starving)  # where decode goes while this prefill step runs
         return headed if decode_rung is None or headed == full else decode_rung
 
-    def add_resumes(self, batch: Batch, q: Queues, budget: int, admit_new: bool,
-                    arrived_by: float = float("inf")) -> int:
-        """Resume prefills up to ``budget`` tokens, those that arrived by ``arrived_by`` only."""
+    def add_prefills(self, batch: Batch, q: Queues, phase: Phase, budget: int, *, admit_new: bool = True,
+                     arrived_by: float = float("inf"), max_seqs: int | None = None) -> int:
+        """Prompt tokens of ``phase`` requests (admitted ones first) up to ``budget``; returns how many.
+        ``admit_new``: waiting ones may be admitted; ``arrived_by``: only those that arrived by then;
+        ``max_seqs``: no more once the batch holds that many sequences."""
         left = budget
-        for req in q.phase_order(Phase.RESUME):
-            if left <= 0 or batch.full or (req.state is ReqState.WAITING and not admit_new):
+        for req in q.phase_order(phase):
+            if left <= 0 or batch.full or (max_seqs is not None and len(batch.seqs) >= max_seqs):
+                break
+            if req.state is ReqState.WAITING and not admit_new:
                 break
             if req.arrival <= arrived_by:
-                left -= batch.prefill(req, left, Phase.RESUME)
-        return budget - left
-
-    def add_colds(self, batch: Batch, q: Queues, budget: int, max_seqs: int) -> int:
-        left = budget
-        for req in q.phase_order(Phase.COLD):
-            if left <= 0 or batch.full or len(batch.seqs) >= max_seqs:
-                break
-            left -= batch.prefill(req, left, Phase.COLD)
+                left -= batch.prefill(req, left, phase)
         return budget - left
 
     def stats(self) -> dict[str, object]:
@@ -168,8 +167,8 @@ class NoPartition(AgentServe):
         if starving:
             head = q.head(Phase.COLD)
             used = batch.prefill(head, self.config.guard.min_tokens, Phase.COLD)  # type: ignore[arg-type]
-        used += self.add_resumes(batch, q, max(0, budget - used), not starving)
-        self.add_colds(batch, q, budget - used, self.config.scheduler.max_batch_seqs)
+        used += self.add_prefills(batch, q, Phase.RESUME, max(0, budget - used), admit_new=not starving)
+        self.add_prefills(batch, q, Phase.COLD, budget - used, max_seqs=self.config.scheduler.max_batch_seqs)
         return batch.num_decode + max(budget, used), self.ladder.full
 
     def stats(self) -> dict[str, object]:

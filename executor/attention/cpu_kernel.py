@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from agentserve import configs
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -40,8 +42,7 @@ DIR_ENV = "AGENTSERVE_KERNEL_DIR"
 
 def cache_dir() -> Path:
     """Where built kernels are kept: ``$AGENTSERVE_KERNEL_DIR``, else ``~/.cache/agentserve/kernels``."""
-    env = os.environ.get(DIR_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "agentserve" / "kernels"
+    return configs.cache_dir(DIR_ENV, "kernels")
 
 
 def _compiler() -> str | None:

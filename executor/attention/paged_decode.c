@@ -44,6 +44,9 @@ typedef struct {
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* Blocks holding sequence b's lens[b] tokens. */
+static inline int64_t blocks_of(const int64_t *lens, int b, int bs) { return (lens[b] + bs - 1) / bs; }
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define SIMD8 1
 #include <immintrin.h>
@@ -221,8 +224,6 @@ INLINE void attend_one(const float *restrict q, const float *restrict k_cache, c
     }
 }
 
-static inline int64_t blocks_of(const int64_t *lens, int b, int bs) { return (lens[b] + bs - 1) / bs; }
-
 /* The cache block of the visit after sequence b's block `step` in attend_group's order; -1 after the last. */
 static int64_t next_block(const int64_t *tables, const int64_t *lens, int b, int64_t step, int b0, int b1, int width,
                           int bs, int64_t steps) {
@@ -273,7 +274,7 @@ static int valid_tables(const int64_t *tables, const int64_t *lens, int batch, i
                         int64_t num_blocks) {
     for (int b = 0; b < batch; b++) {
         if (lens[b] < 1 || lens[b] > (int64_t)width * block_size) return 0;
-        for (int64_t j = 0, used = (lens[b] + block_size - 1) / block_size; j < used; j++)
+        for (int64_t j = 0, used = blocks_of(lens, b, block_size); j < used; j++)
             if (tables[(int64_t)b * width + j] < 0 || tables[(int64_t)b * width + j] >= num_blocks) return 0;
     }
     return 1;
