@@ -82,7 +82,7 @@ class WorkloadSpec:
 
 
 @dataclass(frozen=True)
-class Turn:
+class TurnScript:
     """One LLM request of an agent.
 
     ``prompt_ids`` are the tokens this turn *appends* to the conversation (the whole first prompt
@@ -100,7 +100,7 @@ class Turn:
 class Task:
     agent: int
     index: int
-    turns: tuple[Turn, ...]
+    turns: tuple[TurnScript, ...]
 
 
 def _ids(rng: random.Random, n: int, spec: WorkloadSpec) -> tuple[int, ...]:
@@ -119,11 +119,11 @@ class Workload:
         s = self.spec
         rng = random.Random(f"{s.seed}:{agent}:{index}")
         cold_len = s.cold_prefill.draw(rng)
-        turns = [Turn("cold", self.shared_prefix + _ids(rng, cold_len - len(self.shared_prefix), s),
+        turns = [TurnScript("cold", self.shared_prefix + _ids(rng, cold_len - len(self.shared_prefix), s),
                       s.decode.draw(rng), 0.0)]
         for _ in range(s.steps_per_task - 1):
             wait = s.tool_latency.draw(rng)
-            turns.append(Turn("resume", _ids(rng, s.resume_prefill.draw(rng), s), s.decode.draw(rng), wait))
+            turns.append(TurnScript("resume", _ids(rng, s.resume_prefill.draw(rng), s), s.decode.draw(rng), wait))
         return Task(agent, index, tuple(turns))
 
     def start_offset(self, agent: int) -> float:

@@ -76,8 +76,8 @@ def run_generate(opts: dict[str, Any]) -> None:
     """Everything after argument parsing; raises typed errors for bad input."""
     from agentserve.executor.builtin import resolve_model
     from agentserve.executor.checkpoint import load_config
-    from agentserve.orchestrator.tokenization import Tokenizer
-    from agentserve.shm.messages import SamplingParams
+    from agentserve.orchestrator.text.tokenization import Tokenizer
+    from agentserve.protocol.sampling import SamplingParams
 
     given = {k: opts[k] for k in ("model", "dtype", "weights", "device")} | {"prefill_chunk_size": opts["chunk_size"]}
     engine = engine_config(opts["config_file"], given)
@@ -91,7 +91,7 @@ def run_generate(opts: dict[str, Any]) -> None:
                             ignore_eos=opts["ignore_eos"])
     params.validate()  # ValueError naming the field, before any weights are read
 
-    from agentserve.executor.offline import LLM
+    from agentserve.cli.offline import LLM
 
     llm = LLM(path, max_batch_size=int(engine["max_batch_size"]),
               **_runner_kwargs(engine, path, prompts, opts["max_tokens"]))

@@ -19,7 +19,7 @@ from rich.live import Live
 
 from agentserve.cli.top_view import render
 from agentserve.client import AgentClient, AgentServeError
-from agentserve.orchestrator.stats_schema import (
+from agentserve.protocol.stats import (
     SNAPSHOT_VERSION,
     Snapshot,
     SnapshotError,

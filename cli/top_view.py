@@ -10,7 +10,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from agentserve.orchestrator.stats_schema import Latency, SessionState, Snapshot
+from agentserve.protocol.stats import Latency, SessionState, Snapshot
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 WIDE = 150  # from this many columns on, the stat blocks sit side by side

@@ -19,16 +19,16 @@ import click
 from agentserve import configs
 from agentserve.cli.engine_options import engine_config, engine_flags
 from agentserve.configs.logging import setup_logging
-from agentserve.orchestrator.config import load_config
-from agentserve.orchestrator.endpoints import EndpointError, default_endpoint
 from agentserve.orchestrator.executor_link import ExecutorLink, ExecutorSpec, ExecutorStartError
 from agentserve.orchestrator.ingress import Ingress
 from agentserve.orchestrator.policies import POLICIES
-from agentserve.orchestrator.protocol import Welcome
+from agentserve.orchestrator.scheduler.config import load_config
 from agentserve.orchestrator.server import ExecutorDownError, Server, ServerOptions
 from agentserve.orchestrator.stats_publisher import StatsPublisher
 from agentserve.orchestrator.step_trace import StepTrace
-from agentserve.orchestrator.tokenization import Tokenizer
+from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.protocol.client_messages import Welcome
+from agentserve.protocol.endpoints import EndpointError, default_endpoint
 from agentserve.shm.errors import ShmError
 from agentserve.shm.segment import cleanup_stale
 

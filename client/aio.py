@@ -24,7 +24,7 @@ from agentserve.client.errors import AgentServeError, ProtocolViolation
 from agentserve.client.events import TurnCore, TurnEvent, TurnResult
 from agentserve.client.requests import MessageLike, TurnOptions, open_request
 from agentserve.client.transport import ClientBase, SessionBase
-from agentserve.orchestrator.protocol import (
+from agentserve.protocol.client_messages import (
     Abort,
     GetStats,
     SessionClosed,

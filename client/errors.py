@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agentserve.orchestrator.protocol import Error, ErrorCode
+from agentserve.protocol.client_messages import Error, ErrorCode
 
 
 class AgentServeError(Exception):

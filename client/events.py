@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentserve.client.errors import ProtocolViolation, from_event
-from agentserve.orchestrator.protocol import (
+from agentserve.protocol.client_messages import (
     Error,
     FinishReason,
     Timings,

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
-from agentserve.orchestrator.protocol import (
+from agentserve.protocol.client_messages import (
     PROTOCOL_VERSION,
     Message,
     OpenSession,

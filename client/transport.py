@@ -16,8 +16,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from agentserve.client.errors import ProtocolViolation, ServerDisconnected, ServerUnavailable, from_event
 from agentserve.client.requests import ReqCounter, SessionState
-from agentserve.orchestrator.endpoints import default_endpoint
-from agentserve.orchestrator.protocol import (
+from agentserve.protocol.client_messages import (
     PROTOCOL_VERSION,
     ClientCodec,
     CloseSession,
@@ -26,6 +25,7 @@ from agentserve.orchestrator.protocol import (
     ProtocolError,
     SessionOpened,
 )
+from agentserve.protocol.endpoints import default_endpoint
 
 MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
-from agentserve.shm.messages import Lane
+from agentserve.protocol.lanes import Lane
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,6 +1,8 @@
-"""In-process offline generation (like vLLM's ``LLM``): no rings, no scheduler process.
+"""In-process offline generation on token ids: no rings, no scheduler process.
 
-Each step is either one ragged prefill (the next chunk of every sequence still reading its prompt,
+The text side (tokenisation, detokenisation, stop strings) is the orchestrator's; offline generation
+composes both in ``agentserve.cli.offline.LLM``, which hands this engine one :class:`OutputWatcher` per
+sequence.  Each step is either one ragged prefill (the next chunk of every sequence still reading its prompt,
 up to a token budget) or one batched decode of every sequence that has finished its prompt.  KV
 blocks are reserved per sequence up front (prompt + max_tokens, capped at the context) from a simple
 free list; sequences wait for room when the cache is full, so nothing is ever preempted.
@@ -8,10 +10,10 @@ free list; sequences wait for room when the cache is full, so nothing is ever pr
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -19,34 +21,38 @@ from agentserve.executor.builtin import resolve_model
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 from agentserve.executor.sampler import Sampler, make_generator
-from agentserve.orchestrator.detokenizer import IncrementalDetokenizer
-from agentserve.orchestrator.stop_strings import StopStringMatcher
-from agentserve.orchestrator.tokenization import Tokenizer
-from agentserve.shm.messages import Finish, SamplingParams
-from agentserve.shm.stopping import finish_reason
-
-log = logging.getLogger(__name__)
+from agentserve.protocol.sampling import Finish, SamplingParams
+from agentserve.protocol.stopping import finish_reason
 
 MIN_PREFILL_BUDGET = 4096  # tokens per prefill step (at least one chunk)
 
 
-def load_tokenizer(path: Path) -> Tokenizer | None:
-    """The checkpoint's tokenizer; ``None`` when it has none (token-id prompts still work, text is empty)."""
-    if not (path / "tokenizer.json").is_file():
-        log.warning("%s has no tokenizer.json: outputs will carry token ids but no text", path)
-        return None
-    return Tokenizer.from_dir(path)
+class OutputWatcher(Protocol):
+    """Watches one sequence's tokens as they are sampled (the text layer: detokenizer + stop strings)."""
+
+    def feed(self, token_id: int) -> bool:
+        """A token was sampled; True when a stop string completed (the sequence stops now)."""
+        ...
+
+    def close(self) -> bool:
+        """The sequence stopped for another reason; True when the held-back text held a stop string."""
+        ...
 
 
-def _no_text(ids: list[int], skip_special_tokens: bool = True) -> str:
-    return ""
+class NoWatcher:
+    """Token ids only: nothing stops a sequence but the token-level rules."""
+
+    def feed(self, token_id: int) -> bool:
+        return False
+
+    def close(self) -> bool:
+        return False
 
 
 @dataclass
-class GenerationOutput:
+class EngineOutput:
     token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (eos, stop token or stop string) | "length"
+    finish_reason: str  # "stop" (eos, stop token or a watcher's stop) | "length"
     logprobs: list[float]
 
 
@@ -56,13 +62,11 @@ class _Seq:
     prompt: list[int]
     params: SamplingParams
     generator: torch.Generator | None
-    detok: IncrementalDetokenizer
-    matcher: StopStringMatcher
+    watcher: OutputWatcher
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V are in the cache
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    text: str = ""
     finish: Finish = Finish.NONE
 
     @property
@@ -74,18 +78,16 @@ class _Seq:
         return self.cached < len(self.prompt)
 
 
-class LLM:
+class OfflineEngine:
     """Load a model once, then :meth:`generate` for batches of token-id prompts."""
 
     def __init__(self, model: str | Path, *, cache_dir: str | None = None, max_batch_size: int = 64,
-                 **runner_kwargs) -> None:
-        path = resolve_model(str(model), cache_dir)
-        self.runner = ModelRunner(path, **runner_kwargs)
-        self.tokenizer = load_tokenizer(path)
+                 extra_eos_token_ids: list[int] | None = None, **runner_kwargs) -> None:
+        self.path = resolve_model(str(model), cache_dir)
+        self.runner = ModelRunner(self.path, **runner_kwargs)
         self.sampler = Sampler()
         self.max_batch_size = max_batch_size
-        eos = list(self.runner.config.eos_token_ids)
-        self.eos_token_ids = set(eos + (self.tokenizer.eos_token_ids if self.tokenizer else []))
+        self.eos_token_ids = set(self.runner.config.eos_token_ids) | set(extra_eos_token_ids or [])
 
     @property
     def max_model_len(self) -> int:
@@ -95,15 +97,15 @@ class LLM:
         self,
         prompts: list[list[int]],
         params: list[SamplingParams] | SamplingParams,
-        stop: list[list[str]] | None = None,
+        watchers: list[OutputWatcher] | None = None,
         chunk_size: int = 512,
-    ) -> list[GenerationOutput]:
+    ) -> list[EngineOutput]:
         """Generate for every prompt; outputs in prompt order. Raises an :class:`EngineError` on bad input."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        stop = stop if stop is not None else [[] for _ in prompts]
-        self._validate(prompts, params, stop, chunk_size)
-        seqs = [self._new_seq(i, p, sp, st) for i, (p, sp, st) in enumerate(zip(prompts, params, stop, strict=True))]
+        watchers = watchers if watchers is not None else [NoWatcher() for _ in prompts]
+        self._validate(prompts, params, watchers, chunk_size)
+        seqs = [self._new_seq(i, p, sp, w) for i, (p, sp, w) in enumerate(zip(prompts, params, watchers, strict=True))]
         waiting, running = deque(seqs), []
         free = list(range(self.runner.num_blocks - 1, -1, -1))
         while waiting or running:
@@ -115,16 +117,16 @@ class LLM:
             for s in [s for s in running if s.finish != Finish.NONE]:
                 running.remove(s)
                 free.extend(reversed(s.blocks))
-        return [GenerationOutput(s.out, s.text, s.finish.name.lower(), s.logprobs) for s in seqs]
+        return [EngineOutput(s.out, s.finish.name.lower(), s.logprobs) for s in seqs]
 
-    def _validate(self, prompts: list[list[int]], params: list[SamplingParams], stop: list[list[str]],
+    def _validate(self, prompts: list[list[int]], params: list[SamplingParams], watchers: list[OutputWatcher],
                   chunk_size: int) -> None:
-        if not len(prompts) == len(params) == len(stop):
-            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params, {len(stop)} stops")
+        if not len(prompts) == len(params) == len(watchers):
+            raise InvalidRequestError(
+                f"{len(prompts)} prompts but {len(params)} sampling params, {len(watchers)} watchers"
+            )
         if chunk_size <= 0:
             raise InvalidRequestError(f"chunk size must be > 0, got {chunk_size}")
-        if self.tokenizer is None and any(stop):
-            raise InvalidRequestError("stop strings need a tokenizer; this checkpoint has no tokenizer.json")
         vocab = self.runner.config.vocab_size
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             try:
@@ -146,10 +148,9 @@ class LLM:
         tokens = min(prompt_len + sp.max_tokens, self.max_model_len)
         return -(-tokens // self.runner.block_size)
 
-    def _new_seq(self, i: int, prompt: list[int], sp: SamplingParams, stop: list[str]) -> _Seq:
+    def _new_seq(self, i: int, prompt: list[int], sp: SamplingParams, watcher: OutputWatcher) -> _Seq:
         gen = make_generator(sp.seed, self.runner.device if self.runner.device.type == "cuda" else "cpu")
-        detok = self.tokenizer.detokenizer() if self.tokenizer else IncrementalDetokenizer(_no_text)
-        return _Seq(i, list(prompt), sp, gen, detok, StopStringMatcher(stop))
+        return _Seq(i, list(prompt), sp, gen, watcher)
 
     def _admit(self, waiting: deque[_Seq], running: list[_Seq], free: list[int]) -> None:
         while waiting and len(running) < self.max_batch_size:
@@ -192,18 +193,5 @@ class LLM:
             s.logprobs.append(logprob)
             s.finish = finish_reason(token, len(s.out), s.params, self.eos_token_ids,
                                      len(s.tokens), self.max_model_len)
-            self._emit_text(s, s.detok.add(token))
-            if s.finish != Finish.NONE and not s.matcher.stopped:
-                self._emit_text(s, s.detok.flush())
-                s.text += s.matcher.flush()
-                if s.matcher.stopped:  # the held-back text held a stop string
-                    s.finish = Finish.STOP
-
-    @staticmethod
-    def _emit_text(s: _Seq, delta: str) -> None:
-        if s.matcher.stopped:
-            return
-        m = s.matcher.feed(delta)
-        s.text += m.text
-        if m.stopped:
-            s.finish = Finish.STOP
+            if s.watcher.feed(token) or (s.finish != Finish.NONE and s.watcher.close()):
+                s.finish = Finish.STOP

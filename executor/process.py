@@ -37,12 +37,10 @@ from agentserve.executor.partition.detect import detect
 from agentserve.executor.runner import ModelRunner
 from agentserve.executor.sequences import SequenceTable
 from agentserve.executor.step import StepExecutor
-from agentserve.shm.channel import RingPair
-from agentserve.shm.errors import PeerDied, RingClosed
-from agentserve.shm.messages import (
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import (
     WIRE_VERSION,
     ExecError,
-    Lane,
     Plan,
     Ready,
     Reconfigure,
@@ -50,6 +48,8 @@ from agentserve.shm.messages import (
     Result,
     Shutdown,
 )
+from agentserve.shm.channel import RingPair
+from agentserve.shm.errors import PeerDied, RingClosed
 
 log = logging.getLogger("agentserve.executor")
 

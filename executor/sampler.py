@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from agentserve.shm.messages import SamplingParams
+from agentserve.protocol.sampling import SamplingParams
 
 
 def _col(values: list[float] | list[int], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

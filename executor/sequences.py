@@ -2,7 +2,7 @@
 
 The orchestrator owns every sequence; the executor keeps only what a step needs: the block table,
 the sampling parameters (sent once), the per-request generator, the last sampled token (so a decode
-plan may omit it — the overlap rule of :mod:`agentserve.shm.messages`) and the generated count.
+plan may omit it — the overlap rule of :mod:`agentserve.protocol.ring_messages`) and the generated count.
 
 Invariant kept by the orchestrator: the plans of one sequence in flight at the same time are all on
 one lane (a lane runs its plans in order; a decode plan may be queued behind the running one), and
@@ -19,7 +19,8 @@ import torch
 
 from agentserve.executor.errors import InvalidRequestError
 from agentserve.executor.sampler import make_generator
-from agentserve.shm.messages import Finish, SamplingParams, SeqPlan
+from agentserve.protocol.ring_messages import SeqPlan
+from agentserve.protocol.sampling import Finish, SamplingParams
 
 
 @dataclass

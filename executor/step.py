@@ -16,8 +16,9 @@ import torch
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 from agentserve.executor.sampler import Sampler
 from agentserve.executor.sequences import SeqState, SequenceTable
-from agentserve.shm.messages import Finish, Plan, SeqPlan, SeqResult
-from agentserve.shm.stopping import finish_reason
+from agentserve.protocol.ring_messages import Plan, SeqPlan, SeqResult
+from agentserve.protocol.sampling import Finish
+from agentserve.protocol.stopping import finish_reason
 
 
 class StepExecutor:

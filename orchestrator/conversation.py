@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentserve.orchestrator.protocol import ErrorCode, Message, ProtocolError, Turn
-from agentserve.orchestrator.tokenization import Tokenizer
+from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.protocol.client_messages import ErrorCode, Message, ProtocolError, Turn
 
 
 def message_dict(m: Message) -> dict[str, Any]:

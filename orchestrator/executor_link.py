@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from agentserve.protocol.ring_messages import WIRE_VERSION, ExecError, Ready, Shutdown
 from agentserve.shm.channel import RingPair
 from agentserve.shm.errors import PeerDied, RingClosed, ShmError
-from agentserve.shm.messages import WIRE_VERSION, ExecError, Ready, Shutdown
 
 log = logging.getLogger("agentserve.orchestrator.executor")
 

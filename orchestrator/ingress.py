@@ -2,7 +2,7 @@
 
 ``poll(timeout_ms)`` returns decoded, validated requests as ``(client_id, message)`` pairs, and
 ``(client_id, ClientGone(...))`` once for every client that went away.  Bad input never reaches
-the caller: the ingress answers it with a typed :class:`~agentserve.orchestrator.protocol.Error`
+the caller: the ingress answers it with a typed :class:`~agentserve.protocol.client_messages.Error`
 and keeps running.  ``Hello`` is answered here too (from ``info``).  ``send(client_id, event)``
 streams events back; it never blocks.
 
@@ -30,8 +30,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from agentserve.orchestrator.endpoints import EndpointError, check_bind, default_endpoint, ipc_path
-from agentserve.orchestrator.protocol import (
+from agentserve.protocol.client_messages import (
     PROTOCOL_VERSION,
     ClientMessage,
     Error,
@@ -43,6 +42,7 @@ from agentserve.orchestrator.protocol import (
     Welcome,
     validate,
 )
+from agentserve.protocol.endpoints import EndpointError, check_bind, default_endpoint, ipc_path
 
 log = logging.getLogger("agentserve.ingress")
 

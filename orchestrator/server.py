@@ -4,7 +4,7 @@ One thread owns everything here.  Each turn of the loop::
 
     wait (zmq.Poller: the ingress socket and the executor link's wake-up pipe)
     ├─ client requests  → sessions, tokenisation, scheduler.submit / abort / close
-    ├─ executor results → scheduler.on_result → TokenEvents → detokenised client events
+    ├─ executor results → scheduler.on_result → SeqEvents → detokenised client events
     ├─ scheduler.schedule() → Plans / Releases onto the decision ring
     └─ every ``stats_interval_s``: a snapshot onto the stats board
 
@@ -24,9 +24,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from agentserve.orchestrator.config import SchedulerConfig
 from agentserve.orchestrator.conversation import Conversation
-from agentserve.orchestrator.events import TokenEvent as SchedEvent
 from agentserve.orchestrator.executor_link import (
     ExecutorDown,
     ExecutorLink,
@@ -35,7 +33,15 @@ from agentserve.orchestrator.executor_link import (
     RestartFailed,
 )
 from agentserve.orchestrator.ingress import ClientGone, Ingress
-from agentserve.orchestrator.protocol import (
+from agentserve.orchestrator.running_turn import RunningTurn
+from agentserve.orchestrator.scheduler.config import SchedulerConfig
+from agentserve.orchestrator.scheduler.events import SeqEvent
+from agentserve.orchestrator.scheduler.scheduler import Scheduler
+from agentserve.orchestrator.session_table import SessionTable
+from agentserve.orchestrator.stats_publisher import StatsPublisher
+from agentserve.orchestrator.step_trace import StepTrace
+from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.protocol.client_messages import (
     Abort,
     CloseSession,
     ErrorCode,
@@ -47,12 +53,8 @@ from agentserve.orchestrator.protocol import (
     StatsReply,
     Turn,
 )
-from agentserve.orchestrator.scheduler import Scheduler
-from agentserve.orchestrator.stats_publisher import StatsPublisher
-from agentserve.orchestrator.step_trace import StepTrace
-from agentserve.orchestrator.tokenization import Tokenizer
-from agentserve.orchestrator.turn_stream import TurnStream
-from agentserve.shm.messages import ExecError, Finish, Ready, Result
+from agentserve.protocol.ring_messages import ExecError, Ready, Result
+from agentserve.protocol.sampling import Finish
 
 log = logging.getLogger("agentserve.orchestrator")
 
@@ -64,10 +66,14 @@ class SessionRecord:
     name: str
     conversation: Conversation
     parse_tools: bool = True
-    turn: TurnStream | None = None
+    turn: RunningTurn | None = None
     turns: int = 0
     scheduled: bool = False  # opened in the current scheduler
-    last: TurnStream | None = None  # the previous turn (for `top`)
+    last: RunningTurn | None = None  # the previous turn (for `top`)
+
+    @property
+    def running_req(self) -> int:
+        return self.turn.req if self.turn is not None else 0
 
 
 @dataclass
@@ -86,7 +92,7 @@ class Server:
     options: ServerOptions
     publisher: StatsPublisher
     clock: Callable[[], float] = time.monotonic
-    sessions: dict[int, SessionRecord] = field(default_factory=dict)
+    sessions: SessionTable[SessionRecord] = field(default_factory=SessionTable)
     by_seq: dict[int, SessionRecord] = field(default_factory=dict)
     trace: StepTrace | None = None  # --trace-steps
 
@@ -94,7 +100,6 @@ class Server:
         self.sched = self._new_scheduler(self.link.ready)
         self.stop_token_ids = frozenset(self.link.ready.eos_token_ids) if self.link.ready else frozenset()
         self.vocab_size = self.link.ready.vocab_size if self.link.ready else 0
-        self._next_session = 1
         self._running = True
         self._poller = zmq.Poller()
         self._poller.register(self.ingress.socket, zmq.POLLIN)
@@ -173,7 +178,7 @@ class Server:
         self.sched = self._new_scheduler(self.link.ready)  # the last Ready; empty meanwhile: nothing is sent
         self.link.restart()
 
-    def _emit(self, events: list[SchedEvent]) -> None:
+    def _emit(self, events: list[SeqEvent]) -> None:
         for ev in events:
             rec = self.by_seq.get(ev.seq_id)
             if rec is None or rec.turn is None or rec.turn.seq_id != ev.seq_id:
@@ -228,23 +233,17 @@ class Server:
             elif isinstance(msg, Turn):
                 self._turn(client, msg)
             elif isinstance(msg, Abort):
-                self._abort(self._owned(client, msg.session, msg.req), msg.turn)
+                self._abort(self.sessions.owned(client, msg.session, msg.req), msg.turn)
             elif isinstance(msg, CloseSession):
-                self._close(self._owned(client, msg.session, msg.req))
+                self._close(self.sessions.owned(client, msg.session, msg.req))
                 self.ingress.send(client, SessionClosed(msg.req, msg.session))
             elif isinstance(msg, GetStats):
                 self.ingress.send(client, StatsReply(msg.req, self.publisher.encode(self, self.clock())))
             elif isinstance(msg, ClientGone):
-                for rec in [r for r in self.sessions.values() if r.client == client]:
+                for rec in self.sessions.of_client(client):
                     self._close(rec)
         except ProtocolError as e:
             self.ingress.send(client, e.to_event())
-
-    def _owned(self, client: bytes, session: int, req: int) -> SessionRecord:
-        rec = self.sessions.get(session)
-        if rec is None or rec.client != client:
-            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"no session {session} on this connection", req, session)
-        return rec
 
     def _open(self, client: bytes, msg: OpenSession) -> None:
         conv = Conversation(self.tokenizer, system=msg.system, tools=list(msg.tools))
@@ -252,20 +251,12 @@ class Server:
             prompt_tokens = len(conv.system_tokens())
         except Exception as e:  # a template that cannot render these tools
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"cannot render the system prompt: {e}", msg.req) from None
-        rec = SessionRecord(self._next_session, client, msg.options.name, conv, msg.options.parse_tool_calls)
-        self._next_session += 1
-        self.sessions[rec.session] = rec
+        rec = SessionRecord(self.sessions.new_id(), client, msg.options.name, conv, msg.options.parse_tool_calls)
+        self.sessions.add(rec)
         self.ingress.send(client, SessionOpened(msg.req, rec.session, prompt_tokens))
 
     def _turn(self, client: bytes, msg: Turn) -> None:
-        rec = self._owned(client, msg.session, msg.req)
-        if rec.turn is not None:
-            raise ProtocolError(
-                ErrorCode.TURN_IN_PROGRESS,
-                f"session {rec.session} is still running turn {rec.turn.req}",
-                msg.req,
-                rec.session,
-            )
+        rec = self.sessions.idle(client, msg.session, msg.req)
         if self.restarting:
             why = "the executor is restarting after a crash; retry shortly"
             raise ProtocolError(ErrorCode.EXECUTOR_FAILED, why, msg.req, rec.session)
@@ -300,7 +291,7 @@ class Server:
             seq_id = self.sched.submit(str(rec.session), prompt, msg.sampling_params(), full_prompt=True, now=arrival)
         except ValueError as e:
             raise ProtocolError(ErrorCode.INVALID_SAMPLING, str(e), msg.req, rec.session) from None
-        turn = TurnStream(
+        turn = RunningTurn(
             msg.req,
             rec.session,
             seq_id,
@@ -327,7 +318,7 @@ class Server:
             self._fail_turn(rec, ErrorCode.ABORTED, f"session {rec.session} was closed during the turn")
         if rec.scheduled:  # a running turn is scheduled too: closing aborts it
             self._emit(self.sched.close_session(str(rec.session)))
-        del self.sessions[rec.session]
+        self.sessions.drop(rec)
 
 
 class ExecutorDownError(RuntimeError):

@@ -2,7 +2,7 @@
 
 The server calls :meth:`on_result` for every executor result (lane utilisation, tokens) and
 :meth:`on_turn_done` for every finished turn; :meth:`publish` builds a
-:class:`~agentserve.orchestrator.stats_schema.Snapshot` from those, the scheduler's ``stats()``
+:class:`~agentserve.protocol.stats.Snapshot` from those, the scheduler's ``stats()``
 and the session table, and overwrites the board (a seqlock: readers never block this writer).
 """
 
@@ -14,7 +14,10 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from agentserve.orchestrator.stats_schema import (
+from agentserve.orchestrator.running_turn import RunningTurn
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import Ready, Result
+from agentserve.protocol.stats import (
     SNAPSHOT_VERSION,
     Control,
     Kv,
@@ -28,10 +31,8 @@ from agentserve.orchestrator.stats_schema import (
     Snapshot,
     encode_snapshot,
 )
-from agentserve.orchestrator.turn_stream import TurnStream
 from agentserve.shm.board import StatsBoard
 from agentserve.shm.errors import MessageTooLarge
-from agentserve.shm.messages import Lane, Ready, Result
 
 if TYPE_CHECKING:
     from agentserve.orchestrator.server import Server as OrchestratorServer
@@ -78,7 +79,7 @@ class StatsPublisher:
         self.tokens_out += n
         self.out_times.append((result.t_end, n))
 
-    def on_turn_done(self, turn: TurnStream) -> None:
+    def on_turn_done(self, turn: RunningTurn) -> None:
         self.turns_done += 1
 
     # ---- output -------------------------------------------------------------------------------

@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from agentserve.orchestrator.batch import Entry
-from agentserve.shm.messages import Lane, Result
+from agentserve.orchestrator.scheduler.batch import Entry
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import Result
 
 log = logging.getLogger(__name__)
 

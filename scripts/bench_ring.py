@@ -38,17 +38,10 @@ import time
 
 import zmq
 
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import Plan, Result, SeqPlan, SeqResult, from_executor_codec, to_executor_codec
 from agentserve.shm.channel import DEFAULT_SLOT_SIZE, DEFAULT_SLOTS
 from agentserve.shm.errors import RingTimeout
-from agentserve.shm.messages import (
-    Lane,
-    Plan,
-    Result,
-    SeqPlan,
-    SeqResult,
-    from_executor_codec,
-    to_executor_codec,
-)
 from agentserve.shm.ring import DEFAULT_SPIN_S, RingReader, RingWriter
 
 STAMP = 2**62  # placeholder step: always encoded as 0xcf + 8 bytes

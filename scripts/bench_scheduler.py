@@ -21,10 +21,13 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 
 from agentserve.orchestrator.policies import POLICY_NAMES
-from agentserve.orchestrator.session import quantile
-from agentserve.orchestrator.sim import AgentSpec, Sim, Turn
+from agentserve.orchestrator.scheduler.window import quantile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the simulation harness lives with the tests
+from simulation.sim import AgentSpec, Sim, SimTurn  # noqa: E402
 
 
 def agents(n: int, turns: int, seed: int) -> list[AgentSpec]:
@@ -32,8 +35,8 @@ def agents(n: int, turns: int, seed: int) -> list[AgentSpec]:
     system = [rng.randrange(10, 30000) for _ in range(2000)]
     out = []
     for i in range(n):
-        loop = [Turn(rng.randint(500, 1500), rng.randint(37, 45), rng.lognormvariate(0.0, 0.6))]
-        loop += [Turn(rng.randint(30, 400), rng.randint(37, 64), rng.lognormvariate(0.0, 0.6)) for _ in range(turns)]
+        loop = [SimTurn(rng.randint(500, 1500), rng.randint(37, 45), rng.lognormvariate(0.0, 0.6))]
+        loop += [SimTurn(rng.randint(30, 400), rng.randint(37, 64), rng.lognormvariate(0.0, 0.6)) for _ in range(turns)]
         out.append(AgentSpec(start=rng.uniform(0.0, 0.05 * n), turns=loop, system=system, seed=seed * 1000 + i))
     return out
 

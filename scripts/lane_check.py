@@ -23,7 +23,7 @@ from agentserve.executor.builtin import resolve_model
 from agentserve.executor.lanes import LaneWorker
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
-from agentserve.shm.messages import Lane
+from agentserve.protocol.lanes import Lane
 
 WRAP = 64  # decode positions cycle through this many slots after the context (KV rewritten in place)
 

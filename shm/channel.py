@@ -17,7 +17,7 @@ The orchestrator (owner) creates both rings, the executor attaches::
     while not isinstance(msg := pair.recv(), Shutdown): ...
     pair.close()
 
-``send`` encodes with the direction's reused :class:`~agentserve.shm.messages.Codec`, ``recv``
+``send`` encodes with the direction's reused :class:`~agentserve.protocol.ring_messages.Codec`, ``recv``
 decodes straight from the slot.  Errors: see :mod:`agentserve.shm.errors`.
 """
 
@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import msgspec
 
-from .messages import from_executor_codec, to_executor_codec
+from agentserve.protocol.ring_messages import from_executor_codec, to_executor_codec
+
 from .ring import DEFAULT_SPIN_S, RingReader, RingWriter
 
 DEFAULT_SLOTS = 64

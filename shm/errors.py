@@ -7,7 +7,7 @@ can tell "the channel failed" from a bug.  :class:`CorruptFrame` also derives fr
 
 from __future__ import annotations
 
-from .messages import DecodeError
+from agentserve.protocol.ring_messages import DecodeError
 
 
 class ShmError(Exception):

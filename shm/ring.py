@@ -92,9 +92,10 @@ import msgspec
 import numpy as np
 import posix_ipc
 
+from agentserve.protocol.ring_messages import Codec
+
 from . import segment as sg
 from .errors import CorruptFrame, MessageTooLarge, PeerDied, RingClosed, RingTimeout
-from .messages import Codec
 
 RING_VERSION = 1
 EMPTY = 0

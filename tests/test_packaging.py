@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MAPPED = {"orchestrator", "executor", "shm", "cli", "client", "bench", "configs"}
+MAPPED = {"protocol", "orchestrator", "executor", "shm", "cli", "client", "bench", "configs"}
 
 
 def _source_files() -> set[str]:

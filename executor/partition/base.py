@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentserve.shm.messages import Lane, Rung
+from agentserve.protocol.lanes import Lane, Rung
 
 
 class BackendUnavailable(RuntimeError):

@@ -47,7 +47,7 @@ import torch
 
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.ladder import CPU_GRANULARITY, DEFAULT_SHARES, build_ladder
-from agentserve.shm.messages import Lane, Rung
+from agentserve.protocol.lanes import Lane, Rung
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from agentserve.executor.partition.base import BackendUnavailable
 from agentserve.executor.partition.streams import StreamBackend
 from agentserve.executor.partition.torch_cuda import TorchCuda
-from agentserve.shm.messages import Lane, Rung
+from agentserve.protocol.lanes import Lane, Rung
 
 
 class CudaStreamsBackend(StreamBackend):

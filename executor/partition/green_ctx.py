@@ -23,7 +23,7 @@ from agentserve.executor.partition.ladder import (
 )
 from agentserve.executor.partition.streams import StreamBackend
 from agentserve.executor.partition.torch_cuda import TorchCuda
-from agentserve.shm.messages import Lane, Rung
+from agentserve.protocol.lanes import Lane, Rung
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from agentserve.shm.messages import Rung
+from agentserve.protocol.lanes import Rung
 
 DEFAULT_SHARES: tuple[float, ...] = tuple(p / 10 for p in range(1, 11))  # 10 % … 100 %
 

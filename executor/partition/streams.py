@@ -8,7 +8,7 @@ from typing import Any
 
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.torch_cuda import TorchCuda
-from agentserve.shm.messages import Lane, Rung
+from agentserve.protocol.lanes import Lane, Rung
 
 
 class StreamBackend(PartitionBackend):

@@ -14,7 +14,7 @@ from agentserve.executor.partition.base import BackendUnavailable
 from agentserve.executor.partition.ladder import DEFAULT_SHARES, build_ladder, granularity_from_cc
 from agentserve.executor.partition.streams import StreamBackend
 from agentserve.executor.partition.torch_cuda import TorchCuda
-from agentserve.shm.messages import Lane, Rung
+from agentserve.protocol.lanes import Lane, Rung
 
 
 def _green_context_class() -> Any:

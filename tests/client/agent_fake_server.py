@@ -1,4 +1,4 @@
-"""An in-test AgentServe server: the real Ingress and ClientTable in front of an echo "engine".
+"""An in-test AgentServe server: the real Ingress and SessionTable in front of an echo "engine".
 
 The engine echoes the bytes of the turn's last message (or its raw token ids) one token per
 step, so every stream is predictable: text ``t`` produces token ids ``list(t.encode())`` and the
@@ -14,9 +14,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from agentserve.orchestrator.clients import ClientTable
 from agentserve.orchestrator.ingress import ClientGone, Ingress
-from agentserve.orchestrator.protocol import (
+from agentserve.orchestrator.session_table import SessionTable
+from agentserve.protocol.client_messages import (
     PROTOCOL_VERSION,
     Abort,
     CloseSession,
@@ -36,7 +36,7 @@ from agentserve.orchestrator.protocol import (
     Usage,
     Welcome,
 )
-from agentserve.orchestrator.stats_schema import (
+from agentserve.protocol.stats import (
     Latency,
     Server,
     SessionRow,
@@ -44,6 +44,19 @@ from agentserve.orchestrator.stats_schema import (
     Snapshot,
     encode_snapshot,
 )
+
+
+@dataclass
+class Entry:
+    session: int
+    client: bytes
+    name: str = ""
+    turn_req: int = 0  # req of the running turn, 0 when idle
+    turns: int = 0
+
+    @property
+    def running_req(self) -> int:
+        return self.turn_req
 
 
 @dataclass
@@ -69,7 +82,7 @@ class EchoServer:
         self.endpoint = self.ingress.endpoint
         self.max_model_len = max_model_len
         self.token_delay_s = token_delay_s
-        self.table = ClientTable()
+        self.table: SessionTable[Entry] = SessionTable()
         self.context: dict[int, int] = {}
         self.gens: dict[int, Gen] = {}
         self.gone: list[bytes] = []
@@ -111,23 +124,25 @@ class EchoServer:
     def _handle(self, cid: bytes, msg: object) -> None:
         if isinstance(msg, ClientGone):
             self.gone.append(cid)
-            for entry in self.table.client_gone(cid):
+            for entry in self.table.of_client(cid):
+                self.table.drop(entry)
                 gen = self.gens.pop(entry.session, None)
                 if gen is not None:
                     self.aborted.append(gen.req)
         elif isinstance(msg, OpenSession):
-            entry = self.table.open(cid, msg.options.name)
+            entry = self.table.add(Entry(self.table.new_id(), cid, msg.options.name))
             self.context[entry.session] = len(msg.system.encode())
             self.ingress.send(cid, SessionOpened(msg.req, entry.session, self.context[entry.session]))
         elif isinstance(msg, Turn):
             self._start_turn(cid, msg)
         elif isinstance(msg, Abort):
-            self.table.get(cid, msg.session, msg.req)  # ownership check
+            self.table.owned(cid, msg.session, msg.req)  # ownership check
             gen = self.gens.get(msg.session)
             if gen is not None and msg.turn in (0, gen.req):
                 self._finish(self.gens.pop(msg.session), FinishReason.ABORT)
         elif isinstance(msg, CloseSession):
-            entry = self.table.close(cid, msg.session, msg.req)
+            entry = self.table.owned(cid, msg.session, msg.req)
+            self.table.drop(entry)
             self.gens.pop(msg.session, None)
             self.ingress.send(cid, SessionClosed(msg.req, entry.session))
         elif isinstance(msg, GetStats):
@@ -135,7 +150,8 @@ class EchoServer:
 
     def _start_turn(self, cid: bytes, turn: Turn) -> None:
         self.turn_requests.append(turn)
-        entry = self.table.begin_turn(cid, turn.session, turn.req)
+        entry = self.table.idle(cid, turn.session, turn.req)
+        entry.turn_req, entry.turns = turn.req, entry.turns + 1
         if turn.token_ids:
             new, plan = len(turn.token_ids), list(turn.token_ids)
         else:
@@ -143,7 +159,7 @@ class EchoServer:
             plan = list(turn.messages[-1].content.encode())
         cached = self.context[entry.session]
         if cached + new + turn.max_tokens > self.max_model_len:
-            self.table.end_turn(entry.session)
+            entry.turn_req = 0
             raise ProtocolError(
                 ErrorCode.PROMPT_TOO_LONG,
                 f"{cached + new} prompt + {turn.max_tokens} max tokens > {self.max_model_len}",
@@ -184,7 +200,9 @@ class EchoServer:
             call_id = f"call_{gen.session}_{gen.req}"
             args = gen.tool_call["arguments"]
             self.ingress.send(gen.client, ToolCallEvent(gen.req, gen.session, call_id, "calc", args))
-        self.table.end_turn(gen.session)
+        entry = self.table.get(gen.session)
+        if entry is not None:
+            entry.turn_req = 0
         n = len(gen.out)
         ttft = (gen.t_first - gen.t0) * 1e3 if gen.t_first else 0.0
         tpot = ((now - gen.t_first) * 1e3 / (n - 1)) if n > 1 else 0.0
@@ -201,7 +219,7 @@ class EchoServer:
                 turn=e.turns,
                 context_tokens=self.context.get(e.session, 0),
             )
-            for e in self.table.sessions()
+            for e in self.table.values()
         ]
         server = Server(pid=os.getpid(), endpoint=self.endpoint, run="fake-run", model="echo")
         return Snapshot(t_wall=time.time(), server=server, sessions=rows, tpot=Latency(slo_ms=50.0))

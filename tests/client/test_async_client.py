@@ -15,7 +15,7 @@ from agentserve.client import (
     TextDelta,
     TokenIds,
 )
-from agentserve.orchestrator.protocol import FinishReason
+from agentserve.protocol.client_messages import FinishReason
 
 
 def run(coro):

@@ -58,4 +58,4 @@ def test_clients_vanishing_mid_stream_are_all_reported_and_others_finish(slow_se
         while len(slow_server.aborted) < 5 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert sorted(slow_server.aborted) == sorted(st.req for st in streams)
-        assert [e.session for e in slow_server.table.sessions()] == [s.id]
+        assert [e.session for e in slow_server.table.values()] == [s.id]

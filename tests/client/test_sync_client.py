@@ -21,8 +21,8 @@ from agentserve.client import (
     TurnInProgress,
     UnknownSession,
 )
-from agentserve.orchestrator.protocol import FinishReason
-from agentserve.orchestrator.stats_schema import decode_snapshot
+from agentserve.protocol.client_messages import FinishReason
+from agentserve.protocol.stats import decode_snapshot
 
 
 def test_handshake_reports_server_info(server):

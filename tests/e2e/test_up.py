@@ -26,7 +26,8 @@ from agentserve.executor.builtin import resolve_model
 from agentserve.executor.runner import ModelRunner
 from agentserve.executor.sequences import SequenceTable
 from agentserve.executor.step import StepExecutor
-from agentserve.orchestrator.protocol import (
+from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.protocol.client_messages import (
     ClientCodec,
     CloseSession,
     ErrorCode,
@@ -35,9 +36,10 @@ from agentserve.orchestrator.protocol import (
     TokenEvent,
     Turn,
 )
-from agentserve.orchestrator.stats_schema import decode_snapshot
-from agentserve.orchestrator.tokenization import Tokenizer
-from agentserve.shm.messages import Lane, Plan, SamplingParams, SeqPlan
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import Plan, SeqPlan
+from agentserve.protocol.sampling import SamplingParams
+from agentserve.protocol.stats import decode_snapshot
 
 TOOLS = [
     {

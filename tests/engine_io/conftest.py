@@ -126,7 +126,7 @@ def llama_style_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_dir: Path):
-    from agentserve.executor.offline import LLM
+    from agentserve.cli.offline import LLM
 
     return LLM(tiny_dir, dtype="float32", device="cpu", num_blocks=272)  # 4352 tokens: one full-context sequence fits
 

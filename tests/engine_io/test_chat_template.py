@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agentserve.orchestrator.chat_template import ChatTemplateError, render
-from agentserve.orchestrator.tokenization import Tokenizer
+from agentserve.orchestrator.text.chat_template import ChatTemplateError, render
+from agentserve.orchestrator.text.tokenization import Tokenizer
 
 WEATHER = {
     "type": "function",

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from agentserve.cli.main import main
-from agentserve.shm.messages import SamplingParams
+from agentserve.protocol.sampling import SamplingParams
 
 
 @pytest.fixture(autouse=True)

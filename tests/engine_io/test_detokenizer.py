@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentserve.orchestrator.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from agentserve.orchestrator.tokenization import Tokenizer
+from agentserve.orchestrator.text.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from agentserve.orchestrator.text.tokenization import Tokenizer
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from agentserve.cli.offline import LLM
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
-from agentserve.executor.offline import LLM
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
-from agentserve.shm.messages import SamplingParams
+from agentserve.protocol.sampling import SamplingParams
 
 PROMPTS = [[104, 105], [257, *range(40, 70), 258, 10], [(i * 37) % 256 for i in range(75)]]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

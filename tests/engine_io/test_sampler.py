@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentserve.executor.sampler import Sampler, make_generator
-from agentserve.shm.messages import Finish, SamplingParams
-from agentserve.shm.stopping import finish_reason
+from agentserve.protocol.sampling import Finish, SamplingParams
+from agentserve.protocol.stopping import finish_reason
 
 SAMPLER = Sampler()
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentserve.orchestrator.protocol import FinishReason
-from agentserve.orchestrator.stop_strings import StopStringMatcher, find_stop
-from agentserve.orchestrator.tokenization import Tokenizer
-from agentserve.orchestrator.turn_stream import TurnStream
-from agentserve.shm.messages import Finish
+from agentserve.orchestrator.running_turn import RunningTurn
+from agentserve.orchestrator.text.stop_strings import StopStringMatcher, find_stop
+from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.protocol.client_messages import FinishReason
+from agentserve.protocol.sampling import Finish
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:
@@ -95,7 +95,7 @@ def test_a_turn_cut_at_a_stop_found_only_when_it_ends_finishes_with_stop(tiny_di
     """At the end of a stream the held-back text is searched too: its stop string cuts the text and
     the turn finishes with ``stop``, not ``length``."""
     tok = Tokenizer.from_dir(tiny_dir)
-    turn = TurnStream(1, 1, 1, tok, ["O", "POO"], frozenset(), False, 0.0, [], [])
+    turn = RunningTurn(1, 1, 1, tok, ["O", "POO"], frozenset(), False, 0.0, [], [])
     for token_id in tok.encode("xPO", add_special_tokens=False):
         turn.on_token(token_id, 0.0)
     assert turn.text == "x", "'PO' is held: it may still become 'POO'"

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentserve.orchestrator.tokenization import Tokenizer, TokenizerError
+from agentserve.orchestrator.text.tokenization import Tokenizer, TokenizerError
 
 PIECES = ["<|im_start|>", "<tool_call>", "<|eot_id|>", " ", "\n", "  ", "'s", "e\u0301"]
 TEXT = st.lists(st.one_of(st.text(st.characters(codec="utf-8"), max_size=6), st.sampled_from(PIECES)),
@@ -82,9 +82,9 @@ def test_orchestrator_side_stays_torch_free(tiny_dir):
 
     code = (
         "import sys\n"
-        "from agentserve.orchestrator import tokenization, tool_calls, stop_strings, detokenizer, chat_template\n"
+        "from agentserve.orchestrator.text import tokenization, tool_calls, stop_strings, detokenizer, chat_template\n"
         "from agentserve.executor import builtin\n"
-        "from agentserve.shm import stopping\n"
+        "from agentserve.protocol import stopping\n"
         "from agentserve.cli import prompts\n"
         f"t = tokenization.Tokenizer.from_dir({str(tiny_dir)!r})\n"
         "t.apply_chat_template([{'role': 'user', 'content': 'x'}])\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentserve.orchestrator.tool_calls import ToolCall, has_tool_call, parse_tool_calls
+from agentserve.orchestrator.text.tool_calls import ToolCall, has_tool_call, parse_tool_calls
 
 
 def test_single_call_and_content():

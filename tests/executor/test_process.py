@@ -13,18 +13,10 @@ import uuid
 import pytest
 
 from agentserve.executor.builtin import resolve_model
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import ExecError, Plan, Ready, Release, Result, SeqPlan, Shutdown
+from agentserve.protocol.sampling import SamplingParams
 from agentserve.shm.channel import RingPair
-from agentserve.shm.messages import (
-    ExecError,
-    Lane,
-    Plan,
-    Ready,
-    Release,
-    Result,
-    SamplingParams,
-    SeqPlan,
-    Shutdown,
-)
 
 
 def _spawn(run: str, model: str, *extra: str) -> subprocess.Popen:

@@ -10,7 +10,9 @@ from agentserve.executor.errors import InvalidRequestError
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 from agentserve.executor.sequences import SequenceTable
 from agentserve.executor.step import StepExecutor
-from agentserve.shm.messages import Finish, Lane, Plan, SamplingParams, SeqPlan
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import Plan, SeqPlan
+from agentserve.protocol.sampling import Finish, SamplingParams
 
 BLOCK = 16
 

@@ -12,9 +12,8 @@ import msgspec
 import pytest
 import zmq
 
-from agentserve.orchestrator.endpoints import EndpointError, check_bind, default_endpoint
 from agentserve.orchestrator.ingress import ClientGone, Ingress
-from agentserve.orchestrator.protocol import (
+from agentserve.protocol.client_messages import (
     PROTOCOL_VERSION,
     ClientCodec,
     Error,
@@ -25,6 +24,7 @@ from agentserve.orchestrator.protocol import (
     Turn,
     Welcome,
 )
+from agentserve.protocol.endpoints import EndpointError, check_bind, default_endpoint
 
 codec = ClientCodec()
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentserve.orchestrator.clients import ClientTable
-from agentserve.orchestrator.protocol import (
+from agentserve.orchestrator.session_table import SessionTable
+from agentserve.protocol.client_messages import (
     CLIENT_TAGS,
     PROTOCOL_VERSION,
     SERVER_TAGS,
@@ -111,37 +113,49 @@ def test_arrays_with_a_request_tag_never_escape_as_other_exceptions(fields):
             assert e.code is not ErrorCode.UNKNOWN_MESSAGE
 
 
-# ---- ClientTable ----------------------------------------------------------------------------------
+# ---- SessionTable ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Rec:
+    session: int
+    client: bytes
+    running_req: int = 0
+
+
+def _open(t: SessionTable[Rec], client: bytes) -> Rec:
+    return t.add(Rec(t.new_id(), client))
 
 
 def test_sessions_belong_to_their_client():
-    t = ClientTable()
-    a = t.open(b"A")
+    t: SessionTable[Rec] = SessionTable()
+    a = _open(t, b"A")
     with pytest.raises(ProtocolError) as e:
-        t.get(b"B", a.session, req=3)
+        t.owned(b"B", a.session, req=3)
     assert e.value.code is ErrorCode.UNKNOWN_SESSION and e.value.req == 3
     with pytest.raises(ProtocolError):
-        t.get(b"A", 999)
+        t.owned(b"A", 999)
+    assert t.owned(b"A", a.session) is a
 
 
 def test_one_turn_at_a_time_per_session():
-    t = ClientTable()
-    s = t.open(b"A").session
-    t.begin_turn(b"A", s, 10)
+    t: SessionTable[Rec] = SessionTable()
+    s = _open(t, b"A")
+    t.idle(b"A", s.session, 10).running_req = 10
     with pytest.raises(ProtocolError) as e:
-        t.begin_turn(b"A", s, 11)
-    assert e.value.code is ErrorCode.TURN_IN_PROGRESS
-    t.end_turn(s)
-    assert t.begin_turn(b"A", s, 12).turns == 2
+        t.idle(b"A", s.session, 11)
+    assert e.value.code is ErrorCode.TURN_IN_PROGRESS and e.value.req == 11
+    s.running_req = 0
+    assert t.idle(b"A", s.session, 12) is s
 
 
-def test_client_gone_returns_its_sessions_with_running_turns():
-    t = ClientTable()
-    a1, a2, b1 = t.open(b"A"), t.open(b"A"), t.open(b"B")
-    t.begin_turn(b"A", a2.session, 5)
-    gone = t.client_gone(b"A")
-    assert [(e.session, e.turn_req) for e in gone] == [(a1.session, 0), (a2.session, 5)]
-    assert [e.session for e in t.sessions()] == [b1.session]
-    assert t.client_gone(b"A") == []
-    t.close(b"B", b1.session)
-    assert len(t) == 0
+def test_a_gone_client_takes_exactly_its_sessions():
+    t: SessionTable[Rec] = SessionTable()
+    a1, a2, b1 = _open(t, b"A"), _open(t, b"A"), _open(t, b"B")
+    assert t.of_client(b"A") == [a1, a2]
+    for rec in t.of_client(b"A"):
+        t.drop(rec)
+    assert list(t.values()) == [b1]
+    assert t.of_client(b"A") == []
+    t.drop(b1)
+    assert len(t) == 0 and t.get(b1.session) is None

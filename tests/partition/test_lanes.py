@@ -13,7 +13,7 @@ from agentserve.executor.lanes import LaneWorker, Marker, SeqReady
 from agentserve.executor.partition.base import LaneBinding
 from agentserve.executor.partition.cpu_cores import ONE_THREAD_MAX_TOKENS, CpuCoresBackend
 from agentserve.executor.partition.green_ctx import GreenCtxBackend
-from agentserve.shm.messages import Lane
+from agentserve.protocol.lanes import Lane
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from agentserve.executor.builtin import resolve_model
 from agentserve.executor.lanes import LaneWorker
 from agentserve.executor.partition.cpu_cores import CpuCoresBackend
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
-from agentserve.shm.messages import Lane
+from agentserve.protocol.lanes import Lane
 
 BLOCK = 16
 DECODE_STEPS = 6

@@ -10,7 +10,7 @@ from agentserve.executor.partition import detect
 from agentserve.executor.partition.driver import load_driver
 from agentserve.executor.partition.green_ctx import GreenCtxBackend
 from agentserve.executor.partition.torch_cuda import TorchCuda
-from agentserve.shm.messages import Lane
+from agentserve.protocol.lanes import Lane
 
 pytestmark = [
     pytest.mark.gpu,

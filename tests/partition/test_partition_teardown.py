@@ -11,7 +11,7 @@ from partition_fakes import Gpu
 
 from agentserve.executor.partition.base import PartitionBusy
 from agentserve.executor.partition.green_ctx import GreenCtxBackend
-from agentserve.shm.messages import Lane
+from agentserve.protocol.lanes import Lane
 
 
 def make(sms: int = 132) -> tuple[Gpu, GreenCtxBackend]:

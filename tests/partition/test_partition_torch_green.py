@@ -8,7 +8,7 @@ from partition_fakes import CUresult, FakeStream, Gpu
 
 from agentserve.executor.partition import detect, torch_green
 from agentserve.executor.partition.torch_green import TorchGreenCtxBackend
-from agentserve.shm.messages import Lane
+from agentserve.protocol.lanes import Lane
 
 
 class FakeGreenContext:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from simulation.fake_executor import FakeExecutor, ready
 
 from agentserve.configs import ConfigError
-from agentserve.orchestrator.config import SchedulerConfig, load_config
 from agentserve.orchestrator.policies import POLICY_NAMES, make_policy
-from agentserve.orchestrator.request import Phase
-from agentserve.orchestrator.scheduler import Scheduler
-from agentserve.orchestrator.sim_executor import FakeExecutor, ready
-from agentserve.shm.messages import ExecError, Finish, Lane, Plan, Release, SamplingParams
+from agentserve.orchestrator.scheduler.config import SchedulerConfig, load_config
+from agentserve.orchestrator.scheduler.request import Phase
+from agentserve.orchestrator.scheduler.scheduler import Scheduler
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import ExecError, Plan, Release
+from agentserve.protocol.sampling import Finish, SamplingParams
 
 BS = 16
 

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from agentserve.orchestrator import block_manager
-from agentserve.orchestrator.block_manager import BlockManager
-from agentserve.orchestrator.kv_manager import Admit, KVManager
-from agentserve.orchestrator.request import Request
-from agentserve.orchestrator.session import Session
-from agentserve.shm.messages import SamplingParams
+from agentserve.orchestrator.scheduler.block_manager import BlockManager
+from agentserve.orchestrator.scheduler.kv_manager import Admit, KVManager
+from agentserve.orchestrator.scheduler.request import Request
+from agentserve.orchestrator.scheduler import block_manager
+from agentserve.orchestrator.scheduler.session_kv import SessionKV
+from agentserve.protocol.sampling import SamplingParams
 
 BS = 4
 
 
-def request(seq_id: int, tokens: list[int], session: Session | None = None) -> Request:
-    return Request(seq_id, session or Session(f"s{seq_id}"), list(tokens), SamplingParams(), 0, 0.0)
+def request(seq_id: int, tokens: list[int], session: SessionKV | None = None) -> Request:
+    return Request(seq_id, session or SessionKV(f"s{seq_id}"), list(tokens), SamplingParams(), 0, 0.0)
 
 
 def computed(kv: KVManager, req: Request) -> None:
@@ -52,7 +52,7 @@ def test_prefix_hit_shares_full_blocks_only():
 
 def test_hit_is_verified_even_when_every_hash_collides(monkeypatch):
     monkeypatch.setattr(block_manager, "block_hash", lambda parent, tokens: 7)
-    import agentserve.orchestrator.kv_manager as kvm
+    import agentserve.orchestrator.scheduler.kv_manager as kvm
 
     monkeypatch.setattr(kvm, "block_hash", lambda parent, tokens: 7)
     kv = KVManager(16, BS)
@@ -124,7 +124,7 @@ def test_freed_unready_blocks_are_not_findable():
 
 def test_retained_session_table_is_taken_over():
     kv = KVManager(16, BS)
-    session = Session("s")
+    session = SessionKV("s")
     turn = request(1, [5, 6, 7, 8, 9, 10], session)
     assert kv.admit(turn) is Admit.OK
     turn.num_computed = 6

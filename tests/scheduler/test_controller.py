@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from agentserve.orchestrator.config import SchedulerConfig
-from agentserve.orchestrator.controller import Action, TpotController
-from agentserve.orchestrator.ladder import Ladder
-from agentserve.orchestrator.metrics import Window
-from agentserve.orchestrator.sim import AgentSpec, Sim, Turn
-from agentserve.orchestrator.sim_executor import ladder
+from simulation.fake_executor import ladder
+from simulation.sim import AgentSpec, Sim, SimTurn
+
+from agentserve.orchestrator.policies.controller import Action, TpotController
+from agentserve.orchestrator.scheduler.config import SchedulerConfig
+from agentserve.orchestrator.scheduler.rungs import Ladder
+from agentserve.orchestrator.scheduler.window import Window
 
 CFG = SchedulerConfig()
 TARGET = CFG.slo.tpot_target_ms / 1000.0
@@ -108,8 +109,9 @@ def test_no_feedback_never_moves():
 def test_controller_in_the_loop_keeps_budget_and_rung_in_bounds():
     slo = dataclasses.replace(CFG.slo, tpot_target_ms=25.0)
     cfg = dataclasses.replace(CFG, slo=slo)
-    light = [AgentSpec(0.0, [Turn(150, 60, 0.3)] * 4, seed=i) for i in range(2)]
-    heavy = [AgentSpec(2.0 + 0.05 * i, [Turn(200, 60, 0.2)] + [Turn(400, 40, 0.1)] * 5, seed=10 + i) for i in range(10)]
+    light = [AgentSpec(0.0, [SimTurn(150, 60, 0.3)] * 4, seed=i) for i in range(2)]
+    heavy_loop = [SimTurn(200, 60, 0.2)] + [SimTurn(400, 40, 0.1)] * 5
+    heavy = [AgentSpec(2.0 + 0.05 * i, heavy_loop, seed=10 + i) for i in range(10)]
     report = Sim("agentserve", light + heavy, config=cfg, check_every=4).run()
     c = cfg.controller
     lad = Ladder(ladder(10), c.r_min_lo_share, c.r_min_hi_share)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from simulation.fake_executor import CostModel
+from simulation.sim import AgentSpec, Sim, SimTurn
 
-from agentserve.orchestrator.config import SchedulerConfig
-from agentserve.orchestrator.sim import AgentSpec, Sim, Turn
-from agentserve.orchestrator.sim_executor import CostModel
-from agentserve.shm.messages import Lane
+from agentserve.orchestrator.scheduler.config import SchedulerConfig
+from agentserve.protocol.lanes import Lane
 
 COST = CostModel()
 TARGET_S = SchedulerConfig().slo.tpot_target_ms / 1000.0
@@ -18,8 +18,8 @@ COLD_TOKENS = 3000
 
 
 def scenario() -> list[AgentSpec]:
-    decoders = [AgentSpec(start=0.0, turns=[Turn(120, 150)], seed=i) for i in range(4)]
-    cold = AgentSpec(start=COLD_AT, turns=[Turn(COLD_TOKENS, 8)], seed=99)
+    decoders = [AgentSpec(start=0.0, turns=[SimTurn(120, 150)], seed=i) for i in range(4)]
+    cold = AgentSpec(start=COLD_AT, turns=[SimTurn(COLD_TOKENS, 8)], seed=99)
     return [*decoders, cold]
 
 

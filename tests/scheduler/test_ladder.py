@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from agentserve.executor.partition.ladder import CPU_GRANULARITY, build_ladder
-from agentserve.orchestrator.config import SchedulerConfig
-from agentserve.orchestrator.ladder import Ladder
 from agentserve.orchestrator.policies import make_policy
-from agentserve.shm.messages import Rung
+from agentserve.orchestrator.scheduler.config import SchedulerConfig
+from agentserve.orchestrator.scheduler.rungs import Ladder
+from agentserve.protocol.lanes import Rung
 
 CC = SchedulerConfig().controller
 

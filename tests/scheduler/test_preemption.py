@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from simulation.sim import AgentSpec, Sim, SimTurn
 
 from agentserve.orchestrator.policies import POLICY_NAMES
-from agentserve.orchestrator.sim import AgentSpec, Sim, Turn
 
 
 def tight_run(policy: str, num_blocks: int = 120):
-    agents = [AgentSpec(0.01 * i, [Turn(100, 300, 0.2), Turn(50, 300)], seed=i) for i in range(8)]
+    agents = [AgentSpec(0.01 * i, [SimTurn(100, 300, 0.2), SimTurn(50, 300)], seed=i) for i in range(8)]
     sim = Sim(policy, agents, num_blocks=num_blocks, block_size=16, check_every=1)
     return sim, sim.run()
 
@@ -35,8 +35,8 @@ def test_preempted_requests_recompute_their_generated_tokens():
 
 def test_pins_never_deadlock_a_new_request():
     """Sessions pinned for a long tool call hold most blocks; a new agent must still run."""
-    pinned = [AgentSpec(0.0, [Turn(600, 10, 30.0), Turn(10, 5)], seed=i) for i in range(3)]
-    newcomer = AgentSpec(1.0, [Turn(1500, 20)], seed=9)
+    pinned = [AgentSpec(0.0, [SimTurn(600, 10, 30.0), SimTurn(10, 5)], seed=i) for i in range(3)]
+    newcomer = AgentSpec(1.0, [SimTurn(1500, 20)], seed=9)
     sim = Sim("agentserve", [*pinned, newcomer], num_blocks=140, block_size=16, check_every=1)
     report = sim.run()
     assert report.turns_done == report.turns_expected

@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from agentserve.orchestrator.sim import AgentSpec, Sim, Turn
+from simulation.sim import AgentSpec, Sim, SimTurn
 
 BS = 16
 N = 8
@@ -31,7 +30,7 @@ def test_simultaneous_agents_share_one_copy_of_the_system_prompt(policy):
             own = sum(len(r.block_table) - SHARED for r in sim.sched.q.holders())
             assert sim.sched.kv.pool.num_used() == SHARED + own
 
-    agents = [AgentSpec(0.0, [Turn(200, 20, 0.5), Turn(80, 20)], system=SYSTEM, seed=i) for i in range(N)]
+    agents = [AgentSpec(0.0, [SimTurn(200, 20, 0.5), SimTurn(80, 20)], system=SYSTEM, seed=i) for i in range(N)]
     report = Sim(policy, agents, check_every=1, probe=probe).run()
     assert seen["max_holders"] == N, "all agents must hold the prefix at the same time at some point"
     assert len(seen["distinct"]) == 1, "the system prompt's blocks exist once"
@@ -39,8 +38,8 @@ def test_simultaneous_agents_share_one_copy_of_the_system_prompt(policy):
 
 
 def test_late_agent_hits_the_cached_prompt_after_everyone_left():
-    early = [AgentSpec(0.0, [Turn(100, 5)], system=SYSTEM, seed=i) for i in range(2)]
-    late = AgentSpec(5.0, [Turn(100, 5)], system=SYSTEM, seed=5)
+    early = [AgentSpec(0.0, [SimTurn(100, 5)], system=SYSTEM, seed=i) for i in range(2)]
+    late = AgentSpec(5.0, [SimTurn(100, 5)], system=SYSTEM, seed=5)
     sim = Sim("agentserve", [*early, late], check_every=1)
     sim.run()
     late_req_hits = sim.sched.kv.hit_tokens
@@ -49,7 +48,7 @@ def test_late_agent_hits_the_cached_prompt_after_everyone_left():
 
 def test_different_prompts_share_nothing():
     other = [random.Random(8).randrange(10, 30000) for _ in range(1000)]
-    agents = [AgentSpec(0.0, [Turn(50, 5)], system=SYSTEM, seed=1), AgentSpec(0.0, [Turn(50, 5)], system=other, seed=2)]
+    agents = [AgentSpec(0.0, [SimTurn(50, 5)], system=prompt, seed=i) for i, prompt in enumerate((SYSTEM, other), 1)]
     sim = Sim("chunked", agents, check_every=1)
     sim.run()
     assert sim.sched.kv.hit_tokens == 0

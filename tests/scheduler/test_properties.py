@@ -12,14 +12,14 @@ import dataclasses
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from simulation.sim import AgentSpec, Sim, SimTurn
 
-from agentserve.orchestrator.config import SchedulerConfig
 from agentserve.orchestrator.policies import POLICY_NAMES
-from agentserve.orchestrator.sim import AgentSpec, Sim, Turn
+from agentserve.orchestrator.scheduler.config import SchedulerConfig
 
 turns = st.lists(
     st.builds(
-        Turn,
+        SimTurn,
         new_tokens=st.integers(1, 500),
         max_tokens=st.integers(1, 40),
         tool_s=st.floats(0.0, 3.0, allow_nan=False),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from simulation.sim import AgentSpec, Sim, SimTurn
 
-from agentserve.orchestrator.config import SchedulerConfig
-from agentserve.orchestrator.sim import AgentSpec, Sim, Turn
+from agentserve.orchestrator.scheduler.config import SchedulerConfig
 
 GUARD_S = 0.3
 COLD_AT = 0.5
@@ -16,8 +16,9 @@ COLD_AT = 0.5
 def run(policy: str, starvation_s: float):
     base = SchedulerConfig()
     cfg = dataclasses.replace(base, guard=dataclasses.replace(base.guard, starvation_s=starvation_s))
-    resumers = [AgentSpec(0.01 * i, [Turn(200, 4, 0.001)] + [Turn(250, 3, 0.001)] * 14, seed=i) for i in range(24)]
-    cold = AgentSpec(COLD_AT, [Turn(2000, 4)], seed=99)
+    loop = [SimTurn(200, 4, 0.001)] + [SimTurn(250, 3, 0.001)] * 14
+    resumers = [AgentSpec(0.01 * i, loop, seed=i) for i in range(24)]
+    cold = AgentSpec(COLD_AT, [SimTurn(2000, 4)], seed=99)
     report = Sim(policy, [*resumers, cold], config=cfg, check_every=7).run()
     seq = next(s for s, t in report.submits.items() if t == COLD_AT)
     chunks = [sv for sv in report.services[seq] if sv[1] <= report.submits[seq] + report.ttft[seq]]

@@ -10,16 +10,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from simulation.fake_executor import ready
+
 from agentserve.executor.builtin import resolve_model
-from agentserve.orchestrator.config import SchedulerConfig
 from agentserve.orchestrator.executor_link import ExecutorLink, ExecutorSpec
 from agentserve.orchestrator.ingress import Ingress
+from agentserve.orchestrator.scheduler.config import SchedulerConfig
 from agentserve.orchestrator.server import Server, ServerOptions
-from agentserve.orchestrator.sim_executor import ready
 from agentserve.orchestrator.stats_publisher import StatsPublisher
 from agentserve.orchestrator.step_trace import StepTrace
-from agentserve.orchestrator.tokenization import Tokenizer
-from agentserve.shm.messages import ExecError, Plan, Result, SeqResult
+from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.protocol.ring_messages import ExecError, Plan, Result, SeqResult
 
 TOKEN = 65  # "A" in the byte-level vocabulary of the built-in models
 

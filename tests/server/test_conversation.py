@@ -6,8 +6,8 @@ import pytest
 
 from agentserve.executor.builtin import resolve_model
 from agentserve.orchestrator.conversation import Conversation
-from agentserve.orchestrator.protocol import Message, ProtocolError, Turn
-from agentserve.orchestrator.tokenization import Tokenizer
+from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.protocol.client_messages import Message, ProtocolError, Turn
 
 
 @pytest.fixture(scope="module")

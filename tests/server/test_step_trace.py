@@ -66,7 +66,8 @@ def test_summary_groups_decode_steps_by_what_ran_beside_them() -> None:
 
 
 def test_a_failing_trace_write_stops_the_trace_not_the_server(caplog) -> None:
-    from agentserve.shm.messages import Lane, Result
+    from agentserve.protocol.lanes import Lane
+    from agentserve.protocol.ring_messages import Result
 
     trace = StepTrace("/dev/full")  # every write fails with ENOSPC
     result = Result(1, Lane.DECODE, 0, [], 1.0, 1.01)

@@ -15,24 +15,23 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from shm_helpers import SESSION, ours
 
-from agentserve.shm.channel import RingPair
-from agentserve.shm.errors import CorruptFrame, MessageTooLarge, RingClosed, RingTimeout
-from agentserve.shm.messages import (
+from agentserve.protocol.lanes import Lane, Rung
+from agentserve.protocol.ring_messages import (
     DecodeError,
     ExecError,
-    Lane,
     Plan,
     Ready,
     Reconfigure,
     Release,
     Result,
-    Rung,
-    SamplingParams,
     SeqPlan,
     SeqResult,
     Shutdown,
     to_executor_codec,
 )
+from agentserve.protocol.sampling import SamplingParams
+from agentserve.shm.channel import RingPair
+from agentserve.shm.errors import CorruptFrame, MessageTooLarge, RingClosed, RingTimeout
 from agentserve.shm.ring import RingReader, RingWriter
 
 

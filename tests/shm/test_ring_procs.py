@@ -11,9 +11,10 @@ import time
 
 import pytest
 
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import Plan, Result, SeqPlan, SeqResult, Shutdown
 from agentserve.shm.channel import RingPair
 from agentserve.shm.errors import PeerDied, RingTimeout
-from agentserve.shm.messages import Lane, Plan, Result, SeqPlan, SeqResult, Shutdown
 from agentserve.shm.ring import RingReader, RingWriter
 
 FORK = mp.get_context("fork")

@@ -116,7 +116,7 @@ def test_exit_cleans_up_and_resource_tracker_never_runs(run):
         from multiprocessing import resource_tracker
         from agentserve.shm.channel import RingPair
         from agentserve.shm.board import StatsBoard
-        from agentserve.shm.messages import Shutdown
+        from agentserve.protocol.ring_messages import Shutdown
         pair = RingPair.create({run!r}, slots=2, slot_size=64)
         peer = RingPair.attach({run!r})
         pair.send(Shutdown("x"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agentserve.orchestrator.stats_schema import (
+from agentserve.protocol.stats import (
     Control,
     Kv,
     LaneStat,

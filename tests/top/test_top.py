@@ -14,7 +14,7 @@ from snapshots import realistic
 
 from agentserve.cli.top import top
 from agentserve.cli.top_view import BLOCKS, render, sparkline
-from agentserve.orchestrator.stats_schema import (
+from agentserve.protocol.stats import (
     SNAPSHOT_VERSION,
     Snapshot,
     decode_snapshot,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from agentserve.orchestrator.config import SchedulerConfig
-from agentserve.orchestrator.ladder import Ladder
-from agentserve.orchestrator.policy import Policy
-from agentserve.orchestrator.policy_agentserve import AgentServe, NoFeedback, NoPartition
-from agentserve.orchestrator.policy_baselines import Chunked, Fcfs, LlamaCpp
-from agentserve.shm.messages import Rung
+from agentserve.orchestrator.policies.agentserve import AgentServe, NoFeedback, NoPartition
+from agentserve.orchestrator.policies.base import Policy
+from agentserve.orchestrator.policies.baselines import Chunked, Fcfs, LlamaCpp
+from agentserve.orchestrator.scheduler.config import SchedulerConfig
+from agentserve.orchestrator.scheduler.rungs import Ladder
+from agentserve.protocol.lanes import Rung
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (AgentServe, Fcfs, Chunked, LlamaCpp, NoFeedback, NoPartition)

@@ -13,9 +13,9 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from agentserve.orchestrator import chat_template
-from agentserve.orchestrator.detokenizer import IncrementalDetokenizer
-from agentserve.orchestrator.stop_strings import StopMatch, StopStringMatcher, find_stop
+from agentserve.orchestrator.text import chat_template
+from agentserve.orchestrator.text.detokenizer import IncrementalDetokenizer
+from agentserve.orchestrator.text.stop_strings import StopMatch, StopStringMatcher, find_stop
 
 __all__ = [
     "IncrementalDetokenizer",

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from agentserve.orchestrator.session import quantile
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.5) - 1))]
 
 
 class Window:

@@ -36,7 +36,8 @@ from typing import Any
 
 import msgspec
 
-from agentserve.shm.messages import SamplingParams
+from agentserve.protocol.base import WireStruct
+from agentserve.protocol.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
 
@@ -65,14 +66,10 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # the client aborted the turn
 
 
-class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    pass
-
-
 # ---- payload pieces -------------------------------------------------------------------------
 
 
-class Message(_Wire):
+class Message(WireStruct):
     """One chat message.  ``tool_call_id`` links a ``tool`` message to the call it answers."""
 
     role: str
@@ -81,18 +78,18 @@ class Message(_Wire):
     name: str = ""
 
 
-class SessionOptions(_Wire, frozen=True):
+class SessionOptions(WireStruct, frozen=True):
     name: str = ""  # a label shown by `agentserve top`
     parse_tool_calls: bool = True  # turn the model's tool-call markup into ToolCallEvents
 
 
-class Usage(_Wire, frozen=True):
+class Usage(WireStruct, frozen=True):
     prompt_tokens: int = 0  # tokens this turn prefilled, cached ones included
     cached_tokens: int = 0  # of those, tokens served from the KV cache
     completion_tokens: int = 0
 
 
-class Timings(_Wire, frozen=True):
+class Timings(WireStruct, frozen=True):
     queue_ms: float = 0.0  # arrival → first scheduled
     ttft_ms: float = 0.0  # arrival → first token
     tpot_ms: float = 0.0  # (e2e − ttft) / (completion_tokens − 1)
@@ -102,13 +99,13 @@ class Timings(_Wire, frozen=True):
 # ---- client → server ------------------------------------------------------------------------
 
 
-class Hello(_Wire, tag="hello"):
+class Hello(WireStruct, tag="hello"):
     req: int
     version: int
     client: str = ""
 
 
-class OpenSession(_Wire, tag="open"):
+class OpenSession(WireStruct, tag="open"):
     req: int
     version: int
     system: str = ""
@@ -116,7 +113,7 @@ class OpenSession(_Wire, tag="open"):
     options: SessionOptions = SessionOptions()
 
 
-class Turn(_Wire, tag="turn"):
+class Turn(WireStruct, tag="turn"):
     req: int
     session: int
     messages: list[Message] = []
@@ -144,7 +141,7 @@ class Turn(_Wire, tag="turn"):
         )
 
 
-class Abort(_Wire, tag="abort"):
+class Abort(WireStruct, tag="abort"):
     """Abort the session's running turn; ``turn`` (its ``req``) guards against a late abort."""
 
     req: int
@@ -152,19 +149,19 @@ class Abort(_Wire, tag="abort"):
     turn: int = 0
 
 
-class CloseSession(_Wire, tag="close"):
+class CloseSession(WireStruct, tag="close"):
     req: int
     session: int
 
 
-class GetStats(_Wire, tag="stats"):
+class GetStats(WireStruct, tag="stats"):
     req: int
 
 
 # ---- server → client ------------------------------------------------------------------------
 
 
-class Welcome(_Wire, tag="welcome"):
+class Welcome(WireStruct, tag="welcome"):
     req: int
     version: int
     server: str = ""  # agentserve version
@@ -174,13 +171,13 @@ class Welcome(_Wire, tag="welcome"):
     pid: int = 0
 
 
-class SessionOpened(_Wire, tag="opened"):
+class SessionOpened(WireStruct, tag="opened"):
     req: int
     session: int
     prompt_tokens: int = 0  # system prompt + tool schemas, templated
 
 
-class TokenEvent(_Wire, tag="tok"):
+class TokenEvent(WireStruct, tag="tok"):
     """New tokens of a turn.  ``text`` is the detokenized delta (may be empty mid-character).
 
     ``t_mono`` is the server's ``time.monotonic()``, ``t_wall`` its ``time.time()``.
@@ -194,7 +191,7 @@ class TokenEvent(_Wire, tag="tok"):
     t_wall: float = 0.0
 
 
-class ToolCallEvent(_Wire, tag="tool_call"):
+class ToolCallEvent(WireStruct, tag="tool_call"):
     """A parsed tool call (Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``)."""
 
     req: int
@@ -206,7 +203,7 @@ class ToolCallEvent(_Wire, tag="tool_call"):
     t_wall: float = 0.0
 
 
-class TurnDone(_Wire, tag="done"):
+class TurnDone(WireStruct, tag="done"):
     req: int
     session: int
     finish: FinishReason
@@ -216,17 +213,17 @@ class TurnDone(_Wire, tag="done"):
     t_wall: float = 0.0
 
 
-class SessionClosed(_Wire, tag="closed"):
+class SessionClosed(WireStruct, tag="closed"):
     req: int
     session: int
 
 
-class StatsReply(_Wire, tag="stats_reply"):
+class StatsReply(WireStruct, tag="stats_reply"):
     req: int
-    snapshot: bytes  # an encoded agentserve.orchestrator.stats_schema.Snapshot
+    snapshot: bytes  # an encoded agentserve.protocol.stats.Snapshot
 
 
-class Error(_Wire, tag="error"):
+class Error(WireStruct, tag="error"):
     """``req`` is 0 when the request could not be decoded far enough to know it."""
 
     req: int

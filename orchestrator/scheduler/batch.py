@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from agentserve.orchestrator.request import Phase, ReqState, Request
-from agentserve.shm.messages import Lane, SamplingParams, SeqPlan
+from agentserve.orchestrator.scheduler.request import Phase, ReqState, Request
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import SeqPlan
+from agentserve.protocol.sampling import SamplingParams
 
 # One sequence of a planned step, as the scheduler needs it when the step's result lands:
 # (request, tokens fed (at least 1), the step samples a token for it, fed one decode token).

@@ -11,7 +11,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
-from agentserve.orchestrator.request import Phase, ReqState, Request
+from agentserve.orchestrator.scheduler.request import Phase, ReqState, Request
 
 PREFILL_PHASES = (Phase.COLD, Phase.RESUME)
 

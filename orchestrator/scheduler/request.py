@@ -16,10 +16,10 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from agentserve.shm.messages import Finish, SamplingParams
+from agentserve.protocol.sampling import Finish, SamplingParams
 
 if TYPE_CHECKING:
-    from agentserve.orchestrator.session import Session
+    from agentserve.orchestrator.scheduler.session_kv import SessionKV
 
 
 class ReqState(enum.IntEnum):
@@ -47,7 +47,7 @@ class Request:
     def __init__(
         self,
         seq_id: int,
-        session: Session,
+        session: SessionKV,
         tokens: list[int],
         sampling: SamplingParams,
         priority: int,

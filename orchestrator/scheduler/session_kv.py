@@ -16,21 +16,16 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from agentserve.orchestrator.config import KvCfg
+from agentserve.orchestrator.scheduler.config import KvCfg
+from agentserve.orchestrator.scheduler.window import quantile
 
 if TYPE_CHECKING:
-    from agentserve.orchestrator.request import Request
+    from agentserve.orchestrator.scheduler.request import Request
 
 MAX_SAMPLES = 64
 
 
-def quantile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (nearest rank) of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.5) - 1))]
-
-
-class Session:
+class SessionKV:
     __slots__ = (
         "session_id", "tokens", "num_computed", "block_table", "num_sealed", "pin_deadline",
         "active", "tool_started", "tool_latencies", "closed", "hashes", "keys",
@@ -63,7 +58,7 @@ class Session:
             self.tool_started = None
 
 
-def tool_ttl(session: Session, global_samples: deque[float], cfg: KvCfg) -> float:
+def tool_ttl(session: SessionKV, global_samples: deque[float], cfg: KvCfg) -> float:
     """How long to pin a session's blocks while its tool runs."""
     if len(session.tool_latencies) >= cfg.ttl_min_samples:
         base = quantile(list(session.tool_latencies), cfg.ttl_quantile) * cfg.ttl_margin

@@ -18,61 +18,16 @@ This module must stay free of torch: the orchestrator imports it.
 
 from __future__ import annotations
 
-import enum
-
 import msgspec
+
+from agentserve.protocol.base import WireStruct
+from agentserve.protocol.lanes import Lane, Rung
+from agentserve.protocol.sampling import Finish, SamplingParams
 
 WIRE_VERSION = 1
 
 
-class Lane(enum.IntEnum):
-    DECODE = 0
-    PREFILL = 1
-
-
-class Finish(enum.IntEnum):
-    """Why a sequence stopped producing tokens (``NONE`` while it runs)."""
-
-    NONE = 0
-    STOP = 1  # an eos or stop token id was sampled
-    LENGTH = 2  # max_tokens reached
-    ABORT = 3  # the orchestrator dropped it
-    ERROR = 4  # a step computing it failed (the orchestrator's verdict; the executor never reports it)
-
-
-class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    pass
-
-
-class SamplingParams(_Msg, frozen=True):
-    """Per-request sampling. ``temperature == 0`` is greedy; 0 / 1.0 disable top_k / top_p."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first invalid field."""
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-
-
-class SeqPlan(_Msg):
+class SeqPlan(WireStruct):
     """One sequence's share of a step.
 
     ``token_ids`` are fed at positions ``start_pos ..``; empty means the last sampled token
@@ -89,7 +44,7 @@ class SeqPlan(_Msg):
     sampling: SamplingParams | None = None
 
 
-class Plan(_Msg, tag="plan"):
+class Plan(WireStruct, tag="plan"):
     """One lane's work for one step: the decision the scheduler makes."""
 
     step: int
@@ -99,32 +54,23 @@ class Plan(_Msg, tag="plan"):
     seqs: list[SeqPlan]
 
 
-class Release(_Msg, tag="release"):
+class Release(WireStruct, tag="release"):
     """Forget executor-side state of these sequences (finished, aborted or preempted)."""
 
     seq_ids: list[int]
 
 
-class Reconfigure(_Msg, tag="reconfigure"):
+class Reconfigure(WireStruct, tag="reconfigure"):
     """Change executor settings at a step boundary (``-1`` leaves a field as it is)."""
 
     decode_rung: int = -1
 
 
-class Shutdown(_Msg, tag="shutdown"):
+class Shutdown(WireStruct, tag="shutdown"):
     reason: str = ""
 
 
-class Rung(_Msg):
-    """One partition of the ladder: units are SMs on a GPU, cores on a CPU."""
-
-    index: int
-    decode_units: int
-    prefill_units: int
-    partitioned: bool
-
-
-class Ready(_Msg, tag="ready"):
+class Ready(WireStruct, tag="ready"):
     """The executor is loaded and serving."""
 
     wire_version: int
@@ -141,7 +87,7 @@ class Ready(_Msg, tag="ready"):
     model: str = ""
 
 
-class SeqResult(_Msg):
+class SeqResult(WireStruct):
     """``token_id`` is -1 when the step did not sample this sequence (a non-final prefill chunk)."""
 
     seq_id: int
@@ -150,7 +96,7 @@ class SeqResult(_Msg):
     finish: Finish = Finish.NONE
 
 
-class Result(_Msg, tag="result"):
+class Result(WireStruct, tag="result"):
     """What one lane step produced. Times are ``time.monotonic()`` seconds of the executor."""
 
     step: int
@@ -162,7 +108,7 @@ class Result(_Msg, tag="result"):
     gap_ms: float = 0.0  # idle time of this lane before the step began
 
 
-class ExecError(_Msg, tag="error"):
+class ExecError(WireStruct, tag="error"):
     """The executor failed a step (``fatal``: it is going down)."""
 
     message: str

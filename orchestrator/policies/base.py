@@ -1,6 +1,6 @@
 """The policy interface: what one lane runs in one step.
 
-A policy fills a :class:`~agentserve.orchestrator.batch.Batch` for a free lane from the queues and
+A policy fills a :class:`~agentserve.orchestrator.scheduler.batch.Batch` for a free lane from the queues and
 returns ``(token_budget, rung)`` for the Plan, or ``None`` to leave the lane idle this step.  It
 never touches blocks itself: the batch asks the scheduler to admit, grow and preempt.
 ``other_rung`` is the rung the other lane holds: the full rung if any of its plans in flight is on it,
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from agentserve.orchestrator.batch import Batch
-from agentserve.orchestrator.config import SchedulerConfig
-from agentserve.orchestrator.ladder import Ladder
-from agentserve.orchestrator.metrics import Window
-from agentserve.orchestrator.queues import Queues
-from agentserve.shm.messages import Lane
+from agentserve.orchestrator.scheduler.batch import Batch
+from agentserve.orchestrator.scheduler.config import SchedulerConfig
+from agentserve.orchestrator.scheduler.queues import Queues
+from agentserve.orchestrator.scheduler.rungs import Ladder
+from agentserve.orchestrator.scheduler.window import Window
+from agentserve.protocol.lanes import Lane
 
 
 class Policy:

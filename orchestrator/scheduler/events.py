@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
-from agentserve.shm.messages import Finish
+from agentserve.protocol.sampling import Finish
 
 
-class TokenEvent(msgspec.Struct, frozen=True, gc=False):
+class SeqEvent(msgspec.Struct, frozen=True, gc=False):
     """A new token for ``seq_id`` (``token_id`` -1: none, e.g. an abort) and/or its end.
 
     ``first`` marks the request's first token (its TTFT is ``t - arrival``); ``finish`` is

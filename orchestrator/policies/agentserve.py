@@ -31,15 +31,15 @@ within ``B_prefill``; a starving cold prefill gets ``min_tokens`` of it first).
 
 from __future__ import annotations
 
-from agentserve.orchestrator.batch import Batch
-from agentserve.orchestrator.config import SchedulerConfig
-from agentserve.orchestrator.controller import TpotController
-from agentserve.orchestrator.ladder import Ladder
-from agentserve.orchestrator.metrics import Window
-from agentserve.orchestrator.policy import Policy
-from agentserve.orchestrator.queues import Queues
-from agentserve.orchestrator.request import Phase, ReqState
-from agentserve.shm.messages import Lane
+from agentserve.orchestrator.policies.base import Policy
+from agentserve.orchestrator.policies.controller import TpotController
+from agentserve.orchestrator.scheduler.batch import Batch
+from agentserve.orchestrator.scheduler.config import SchedulerConfig
+from agentserve.orchestrator.scheduler.queues import Queues
+from agentserve.orchestrator.scheduler.request import Phase, ReqState
+from agentserve.orchestrator.scheduler.rungs import Ladder
+from agentserve.orchestrator.scheduler.window import Window
+from agentserve.protocol.lanes import Lane
 
 
 class AgentServe(Policy):

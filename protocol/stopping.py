@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from agentserve.shm.messages import Finish, SamplingParams
+from agentserve.protocol.sampling import Finish, SamplingParams
 
 
 def finish_reason(

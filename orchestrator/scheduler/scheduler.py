@@ -9,7 +9,7 @@ Driving it (the server process does this; tests do it with a fake executor)::
         for msg in sched.schedule():          # Release first, then Plans for lanes with room
             ring.put(msg)
         for result in results_from_ring():
-            for ev in sched.on_result(result):  # TokenEvent: token, first-token flag, finish
+            for ev in sched.on_result(result):  # SeqEvent: token, first-token flag, finish
                 stream(ev)
                 if ev.finished:
                     sched.end_turn(ev.seq_id, in_tool_call=parsed_a_tool_call)
@@ -23,18 +23,18 @@ Public API (all ``now`` arguments default to ``clock()``):
   whole conversation (the cached part is kept up to the first differing block).  Returns the
   turn's ``seq_id``.  Raises ``ValueError`` for a prompt that can never fit, ``KeyError`` for an
   unknown session, ``RuntimeError`` when the session already runs a turn.
-- ``abort(seq_id, now=None, failure=None) -> list[TokenEvent]`` — stop a turn (at once, or when its step
+- ``abort(seq_id, now=None, failure=None) -> list[SeqEvent]`` — stop a turn (at once, or when its step
   returns) with ``Finish.ABORT``; with ``failure`` (a step of it failed) ``Finish.ERROR``, which wins
   over a pending abort.  ``failure(seq_id)`` is that reason.
 - ``end_turn(seq_id, in_tool_call, now=None)`` — the turn's output was parsed: in a tool call, the
   session's blocks stay pinned for a TTL learned from its tool latencies; otherwise released.
-- ``close_session(session_id, now=None) -> list[TokenEvent]`` — abort its turn, free its blocks.
+- ``close_session(session_id, now=None) -> list[SeqEvent]`` — abort its turn, free its blocks.
 - ``schedule(now=None) -> list[Plan | Release]`` — a lane holds one Plan in flight (the decode lane up
   to ``1 + decode_lookahead`` while nothing waits to be prefilled); a Plan is in flight until its Result.
-- ``on_result(result, now=None) -> list[TokenEvent]``; ``on_error(error, now=None)`` likewise (the failed
+- ``on_result(result, now=None) -> list[SeqEvent]``; ``on_error(error, now=None)`` likewise (the failed
   plan's sequences, and those of plans queued behind it, end with ``Finish.ERROR``).
 - ``stats(now=None) -> dict`` — queues per class, rung, B_prefill, KV use, prefix hits, TPOT/TTFT.
-- ``take_events() -> list[TokenEvent]`` — events produced outside ``on_result`` (call after
+- ``take_events() -> list[SeqEvent]`` — events produced outside ``on_result`` (call after
   ``schedule``/``end_turn``; ``on_result`` also returns them first).
 - ``idle() -> bool``; ``check()`` asserts every KV invariant (tests).
 
@@ -58,19 +58,21 @@ from typing import Any
 
 import msgspec
 
-from agentserve.orchestrator.batch import Batch, Entry
-from agentserve.orchestrator.config import SchedulerConfig, load_config
-from agentserve.orchestrator.events import TokenEvent
-from agentserve.orchestrator.kv_manager import Admit, KVManager
-from agentserve.orchestrator.ladder import Ladder
-from agentserve.orchestrator.metrics import Window
 from agentserve.orchestrator.policies import make_policy
-from agentserve.orchestrator.policy import Policy
-from agentserve.orchestrator.queues import Queues
-from agentserve.orchestrator.request import Phase, ReqState, Request
-from agentserve.orchestrator.session import Session, tool_ttl
-from agentserve.shm.messages import ExecError, Finish, Lane, Plan, Ready, Release, Result, SamplingParams
-from agentserve.shm.stopping import finish_reason
+from agentserve.orchestrator.policies.base import Policy
+from agentserve.orchestrator.scheduler.batch import Batch, Entry
+from agentserve.orchestrator.scheduler.config import SchedulerConfig, load_config
+from agentserve.orchestrator.scheduler.events import SeqEvent
+from agentserve.orchestrator.scheduler.kv_manager import Admit, KVManager
+from agentserve.orchestrator.scheduler.queues import Queues
+from agentserve.orchestrator.scheduler.request import Phase, ReqState, Request
+from agentserve.orchestrator.scheduler.rungs import Ladder
+from agentserve.orchestrator.scheduler.session_kv import SessionKV, tool_ttl
+from agentserve.orchestrator.scheduler.window import Window
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import ExecError, Plan, Ready, Release, Result
+from agentserve.protocol.sampling import Finish, SamplingParams
+from agentserve.protocol.stopping import finish_reason
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +132,11 @@ class Scheduler:
         self.max_len = min(ready.max_model_len, capacity) if ready.max_model_len > 0 else capacity
         self.eos = frozenset(ready.eos_token_ids)
         self.q = Queues()
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, SessionKV] = {}
         self.requests: dict[int, Request] = {}  # unfinished turns
         self.ended: dict[int, Request] = {}  # finished turns awaiting end_turn()
         self.letting_go: dict[int, Request] = {}  # finished, but plans sent ahead are still running
-        self.held: dict[str, Session] = {}  # sessions holding blocks (pinned or in grace)
+        self.held: dict[str, SessionKV] = {}  # sessions holding blocks (pinned or in grace)
         self.next_expiry = math.inf
         self.lanes: dict[Lane, deque[Inflight]] = {lane: deque() for lane in self.policy.lanes}
         self.lookahead = self.config.scheduler.decode_lookahead
@@ -144,7 +146,7 @@ class Scheduler:
         self.tpot_ctl = Window(cc.window_s)  # the controller's window (cleared on each change)
         self.tpot = Window(STATS_WINDOW_S)
         self.ttft = Window(STATS_WINDOW_S)
-        self.pending_events: list[TokenEvent] = []
+        self.pending_events: list[SeqEvent] = []
         self.tool_samples: deque[float] = deque(maxlen=256)
         self.counters = dict.fromkeys(("preemptions", "pins_broken", "finished", "aborted", "failed", "plans"), 0)
 
@@ -153,7 +155,7 @@ class Scheduler:
         session_id = session_id or uuid.uuid4().hex
         if session_id in self.sessions:
             raise ValueError(f"session {session_id!r} is already open")
-        self.sessions[session_id] = Session(session_id)
+        self.sessions[session_id] = SessionKV(session_id)
         return session_id
 
     def submit(
@@ -190,7 +192,7 @@ class Scheduler:
         self.q.push_waiting(req)
         return req.seq_id
 
-    def abort(self, seq_id: int, now: float | None = None, failure: str | None = None) -> list[TokenEvent]:
+    def abort(self, seq_id: int, now: float | None = None, failure: str | None = None) -> list[SeqEvent]:
         """Stop a running request: now, or (plans in flight) when they are back.  It ends with ABORT, or
         with ERROR when ``failure`` (a step of it failed) or an earlier failure is recorded."""
         now = self.clock() if now is None else now
@@ -231,7 +233,7 @@ class Scheduler:
         else:
             self._release_session(session)
 
-    def close_session(self, session_id: str, now: float | None = None) -> list[TokenEvent]:
+    def close_session(self, session_id: str, now: float | None = None) -> list[SeqEvent]:
         now = self.clock() if now is None else now
         session = self.sessions.get(session_id)
         if session is None:
@@ -256,12 +258,12 @@ class Scheduler:
             self.releases = []
         return plans
 
-    def take_events(self) -> list[TokenEvent]:
+    def take_events(self) -> list[SeqEvent]:
         """Events produced outside ``on_result`` (a turn stopped inside ``schedule``/``end_turn``)."""
         events, self.pending_events = self.pending_events, []
         return events
 
-    def on_result(self, result: Result, now: float | None = None) -> list[TokenEvent]:
+    def on_result(self, result: Result, now: float | None = None) -> list[SeqEvent]:
         now = self.clock() if now is None else now
         inflight = self._land(result.lane, result.step)
         events = self.take_events()
@@ -289,7 +291,7 @@ class Scheduler:
                 events.append(self._finish(req, _stop_reason(req), now))
         return events
 
-    def on_error(self, error: ExecError, now: float | None = None) -> list[TokenEvent]:
+    def on_error(self, error: ExecError, now: float | None = None) -> list[SeqEvent]:
         """The executor failed a step: its sequences finish with ``Finish.ERROR`` (their lanes freed).
 
         Plans queued behind the failed one still run on the executor and still report, so they stay
@@ -412,7 +414,7 @@ class Scheduler:
             return None
         return queue.popleft()
 
-    def _append(self, req: Request, token: int, finish: Finish, logprob: float, now: float) -> TokenEvent:
+    def _append(self, req: Request, token: int, finish: Finish, logprob: float, now: float) -> SeqEvent:
         req.tokens.append(token)
         req.num_output += 1
         first = req.first_token_t is None
@@ -430,11 +432,11 @@ class Scheduler:
         if finish is not Finish.NONE:
             return self._finish(req, finish, now, token, first, logprob)
         sid = req.session.session_id
-        return TokenEvent(req.seq_id, sid, token, finish, first, req.num_output, now, logprob)
+        return SeqEvent(req.seq_id, sid, token, finish, first, req.num_output, now, logprob)
 
     def _finish(
         self, req: Request, reason: Finish, now: float, token: int = -1, first: bool = False, lp: float = 0.0
-    ) -> TokenEvent:
+    ) -> SeqEvent:
         self.q.remove(req)
         had_kv = req.state is ReqState.DECODE
         req.state, req.finish = ReqState.FINISHED, reason
@@ -444,7 +446,7 @@ class Scheduler:
         session.active = None
         session.tokens, session.hashes, session.keys = req.tokens, req.hashes, req.keys
         req.had_kv = had_kv
-        event = TokenEvent(req.seq_id, session.session_id, token, reason, first, req.num_output, now, lp)
+        event = SeqEvent(req.seq_id, session.session_id, token, reason, first, req.num_output, now, lp)
         if req.inflight:  # plans sent ahead may still write its blocks: keep them until they are back
             self.letting_go[req.seq_id] = req
             self.ended[req.seq_id] = req
@@ -526,7 +528,7 @@ class Scheduler:
     def _phase_for(self, uncached: int) -> Phase:
         return Phase.COLD if uncached > self.config.scheduler.cold_threshold_tokens else Phase.RESUME
 
-    def _truncate_session(self, session: Session, tokens: list[int], common: int) -> None:
+    def _truncate_session(self, session: SessionKV, tokens: list[int], common: int) -> None:
         """Keep the session's retained KV only for the longest block-aligned common prefix."""
         keep_tokens = min(common, session.num_computed, len(tokens) - 1)
         keep = keep_tokens // self.kv.block_size
@@ -540,12 +542,12 @@ class Scheduler:
         session.tokens = tokens[: session.num_computed] if session.holds_blocks else []
 
     # ---------------------------------------------------------------- retention pins
-    def _pin(self, session: Session, deadline: float) -> None:
+    def _pin(self, session: SessionKV, deadline: float) -> None:
         session.pin_deadline = deadline
         self.held[session.session_id] = session
         self.next_expiry = min(self.next_expiry, deadline)
 
-    def _claim(self, session: Session) -> None:
+    def _claim(self, session: SessionKV) -> None:
         """A new turn will take the session's blocks at admission: keep them until then."""
         if session.holds_blocks:
             session.pin_deadline = math.inf
@@ -553,7 +555,7 @@ class Scheduler:
         else:
             self.held.pop(session.session_id, None)
 
-    def _release_session(self, session: Session) -> None:
+    def _release_session(self, session: SessionKV) -> None:
         self.kv.release_session(session)
         self.held.pop(session.session_id, None)
 
@@ -573,7 +575,7 @@ class Scheduler:
         self.counters["pins_broken"] += 1
         return True
 
-    def _drop_session(self, session: Session) -> None:
+    def _drop_session(self, session: SessionKV) -> None:
         self._release_session(session)
         self.sessions.pop(session.session_id, None)
         for seq_id in [k for k, r in self.ended.items() if r.session is session]:

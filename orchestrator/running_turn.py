@@ -14,8 +14,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentserve.orchestrator.detokenizer import IncrementalDetokenizer
-from agentserve.orchestrator.protocol import (
+from agentserve.orchestrator.text.detokenizer import IncrementalDetokenizer
+from agentserve.orchestrator.text.stop_strings import StopStringMatcher
+from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.orchestrator.text.tool_calls import parse_tool_calls
+from agentserve.protocol.client_messages import (
     FinishReason,
     Timings,
     TokenEvent,
@@ -23,16 +26,13 @@ from agentserve.orchestrator.protocol import (
     TurnDone,
     Usage,
 )
-from agentserve.orchestrator.stop_strings import StopStringMatcher
-from agentserve.orchestrator.tokenization import Tokenizer
-from agentserve.orchestrator.tool_calls import parse_tool_calls
-from agentserve.shm.messages import Finish
+from agentserve.protocol.sampling import Finish
 
 _FINISH = {Finish.STOP: FinishReason.STOP, Finish.LENGTH: FinishReason.LENGTH, Finish.ABORT: FinishReason.ABORT}
 
 
 @dataclass
-class TurnStream:
+class RunningTurn:
     req: int
     session: int
     seq_id: int

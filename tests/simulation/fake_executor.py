@@ -18,9 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agentserve.orchestrator.ladder import Ladder
-from agentserve.shm.messages import Finish, Lane, Plan, Ready, Release, Result, Rung, SamplingParams, SeqResult
-from agentserve.shm.stopping import finish_reason
+from agentserve.orchestrator.scheduler.rungs import Ladder
+from agentserve.protocol.lanes import Lane, Rung
+from agentserve.protocol.ring_messages import Plan, Ready, Release, Result, SeqResult
+from agentserve.protocol.sampling import Finish, SamplingParams
+from agentserve.protocol.stopping import finish_reason
 
 EOS = 2
 

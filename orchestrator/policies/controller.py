@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import enum
 
-from agentserve.orchestrator.config import ControllerCfg, SloCfg
-from agentserve.orchestrator.ladder import Ladder
-from agentserve.orchestrator.metrics import Window
+from agentserve.orchestrator.scheduler.config import ControllerCfg, SloCfg
+from agentserve.orchestrator.scheduler.rungs import Ladder
+from agentserve.orchestrator.scheduler.window import Window
 
 
 class Action(enum.IntEnum):

@@ -15,11 +15,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from agentserve.orchestrator.config import SchedulerConfig
-from agentserve.orchestrator.events import TokenEvent
-from agentserve.orchestrator.scheduler import Scheduler
-from agentserve.orchestrator.sim_executor import CostModel, FakeExecutor, ready
-from agentserve.shm.messages import Lane, Plan, Result, SamplingParams
+from agentserve.orchestrator.scheduler.config import SchedulerConfig
+from agentserve.orchestrator.scheduler.events import SeqEvent
+from agentserve.orchestrator.scheduler.scheduler import Scheduler
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import Plan, Result
+from agentserve.protocol.sampling import SamplingParams
+from simulation.fake_executor import CostModel, FakeExecutor, ready
 
 
 class Deadlock(AssertionError):
@@ -27,7 +29,7 @@ class Deadlock(AssertionError):
 
 
 @dataclass(frozen=True)
-class Turn:
+class SimTurn:
     new_tokens: int  # tokens appended: the cold prompt for the first turn, a tool output later
     max_tokens: int  # tokens decoded
     tool_s: float = 0.0  # tool latency after this turn (unused after the last)
@@ -36,7 +38,7 @@ class Turn:
 @dataclass
 class AgentSpec:
     start: float
-    turns: list[Turn]
+    turns: list[SimTurn]
     system: list[int] = field(default_factory=list)  # shared prompt prefix of the first turn
     priority: int = 0
     seed: int = 0
@@ -180,7 +182,7 @@ class Sim:
         self.report.result_us.append((time.thread_time_ns() - c0) / 1e3)
         self._events(events, t)
 
-    def _events(self, events: list[TokenEvent], t: float) -> None:
+    def _events(self, events: list[SeqEvent], t: float) -> None:
         for ev in events:
             if ev.token_id >= 0:
                 if ev.first:
@@ -191,7 +193,7 @@ class Sim:
             if ev.finished:
                 self._turn_done(ev, t)
 
-    def _turn_done(self, ev: TokenEvent, t: float) -> None:
+    def _turn_done(self, ev: SeqEvent, t: float) -> None:
         agent = self.seq_agent[ev.seq_id]
         spec, turn = self.agents[agent], self.progress.get(agent, 0)
         self.report.turns_done += 1

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import enum
 
-from agentserve.orchestrator.block_manager import ROOT_HASH, BlockManager, block_hash
-from agentserve.orchestrator.request import Request
-from agentserve.orchestrator.session import Session
+from agentserve.orchestrator.scheduler.block_manager import ROOT_HASH, BlockManager, block_hash
+from agentserve.orchestrator.scheduler.request import Request
+from agentserve.orchestrator.scheduler.session_kv import SessionKV
 
 
 class Admit(enum.IntEnum):
@@ -164,13 +164,13 @@ class KVManager:
         req.block_table = []
         req.num_computed = req.num_sealed = req.num_ready = req.blocks_sent = 0
 
-    def retain(self, req: Request, session: Session) -> None:
+    def retain(self, req: Request, session: SessionKV) -> None:
         """Hand a finished turn's table to its session (the session now holds the references)."""
         self.release_session(session)
         session.block_table, req.block_table = req.block_table, []
         session.num_computed, session.num_sealed = req.num_computed, req.num_ready
 
-    def release_session(self, session: Session) -> None:
+    def release_session(self, session: SessionKV) -> None:
         if session.block_table:
             self.pool.release(session.block_table)
         session.block_table = []

@@ -11,11 +11,11 @@
 
 from __future__ import annotations
 
-from agentserve.orchestrator.batch import Batch
-from agentserve.orchestrator.policy import Policy
-from agentserve.orchestrator.queues import Queues
-from agentserve.orchestrator.request import ReqState
-from agentserve.shm.messages import Lane
+from agentserve.orchestrator.policies.base import Policy
+from agentserve.orchestrator.scheduler.batch import Batch
+from agentserve.orchestrator.scheduler.queues import Queues
+from agentserve.orchestrator.scheduler.request import ReqState
+from agentserve.protocol.lanes import Lane
 
 WHOLE = 1 << 30
 

@@ -12,7 +12,7 @@ full one: the rung action is then a no-op.
 
 from __future__ import annotations
 
-from agentserve.shm.messages import Rung
+from agentserve.protocol.lanes import Rung
 
 
 class Ladder:

@@ -1,0 +1,23 @@
+"""The executor's two lanes and the partition rungs they run on (SMs on a GPU, cores on a CPU)."""
+
+from __future__ import annotations
+
+import enum
+
+from agentserve.protocol.base import WireStruct
+
+
+class Lane(enum.IntEnum):
+    DECODE = 0
+    PREFILL = 1
+
+
+class Rung(WireStruct):
+    """One partition of the ladder: units are SMs on a GPU, cores on a CPU."""
+
+    index: int
+    decode_units: int
+    prefill_units: int
+    partitioned: bool
+
+

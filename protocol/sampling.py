@@ -1,0 +1,47 @@
+"""Per-request sampling parameters and why a sequence stopped: both processes and the client rely on them."""
+
+from __future__ import annotations
+
+import enum
+
+from agentserve.protocol.base import WireStruct
+
+
+class Finish(enum.IntEnum):
+    """Why a sequence stopped producing tokens (``NONE`` while it runs)."""
+
+    NONE = 0
+    STOP = 1  # an eos or stop token id was sampled
+    LENGTH = 2  # max_tokens reached
+    ABORT = 3  # the orchestrator dropped it
+    ERROR = 4  # a step computing it failed (the orchestrator's verdict; the executor never reports it)
+
+
+class SamplingParams(WireStruct, frozen=True):
+    """Per-request sampling. ``temperature == 0`` is greedy; 0 / 1.0 disable top_k / top_p."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+
