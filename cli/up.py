@@ -21,9 +21,10 @@ from agentserve.cli.engine_options import engine_config, engine_flags
 from agentserve.configs.logging import setup_logging
 from agentserve.orchestrator.executor_link import ExecutorLink, ExecutorSpec, ExecutorStartError
 from agentserve.orchestrator.ingress import Ingress
+from agentserve.orchestrator.limits import ServingLimits, load_limits
 from agentserve.orchestrator.policies import POLICIES
 from agentserve.orchestrator.scheduler.config import load_config
-from agentserve.orchestrator.server import ExecutorDownError, Server, ServerOptions
+from agentserve.orchestrator.server import ExecutorDownError, Server, ServerBroken, ServerOptions
 from agentserve.orchestrator.stats_publisher import StatsPublisher
 from agentserve.orchestrator.step_trace import StepTrace
 from agentserve.orchestrator.text.tokenization import Tokenizer
@@ -88,7 +89,7 @@ def up(**opts: Any) -> None:
     sys.exit(code)
 
 
-def _configs(opts: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+def _configs(opts: dict[str, Any]) -> tuple[dict[str, Any], Any, ServingLimits]:
     given = {k: opts[k] for k in ("model", "dtype", "weights", "device", "num_blocks", "max_model_len")}
     engine = engine_config(opts["config_file"], given | {"kv_cache_memory_gb": opts["kv_cache_gb"]})
     sched_overrides: dict[str, Any] = {}
@@ -97,11 +98,11 @@ def _configs(opts: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     slo = {k: opts[f] for k, f in (("tpot_target_ms", "tpot_slo_ms"), ("ttft_target_ms", "ttft_slo_ms")) if opts[f]}
     if slo:
         sched_overrides["slo"] = slo
-    return engine, load_config(opts["config_file"], sched_overrides)
+    return engine, load_config(opts["config_file"], sched_overrides), load_limits(opts["config_file"])
 
 
 def _up(opts: dict[str, Any]) -> int:
-    engine, sched_config = _configs(opts)
+    engine, sched_config, limits = _configs(opts)
     run = opts["run_name"]
     removed = cleanup_stale()
     if removed:
@@ -109,7 +110,10 @@ def _up(opts: dict[str, Any]) -> int:
     model_dir = _resolve_model(str(engine["model"]), str(engine.get("cache_dir", "")))
     tokenizer = Tokenizer.from_dir(model_dir)
     policy = sched_config.scheduler.policy
-    ingress = Ingress(opts["endpoint"] or default_endpoint(run), allow_remote=opts["allow_remote"])
+    ingress = Ingress(
+        opts["endpoint"] or default_endpoint(run), allow_remote=opts["allow_remote"], limits=limits.request,
+        rules=limits.clients,
+    )
     publisher = link = trace = None
     try:
         if opts["trace_steps"]:  # before the model loads: a bad path fails at once
@@ -120,7 +124,7 @@ def _up(opts: dict[str, Any]) -> int:
         spec = ExecutorSpec(
             run, model_dir, _executor_args(engine, opts["partition"]), opts["log_level"], opts["log_json"]
         )
-        link = ExecutorLink(spec)
+        link = ExecutorLink(spec, limits.executor)
         _on_signals(_interrupt)  # until the loop runs: stop loading and clean up through `finally`
         t0 = time.monotonic()
         with _Status() as status:
@@ -129,7 +133,8 @@ def _up(opts: dict[str, Any]) -> int:
             0, 0, server="agentserve", model=model_dir, max_model_len=ready.max_model_len, run=run, pid=os.getpid()
         )
         server = Server(
-            ingress, link, tokenizer, ServerOptions(policy, sched_config, restart=not opts["no_restart"]), publisher,
+            ingress, link, tokenizer,
+            ServerOptions(policy, sched_config, restart=not opts["no_restart"], limits=limits), publisher,
             trace=trace,
         )
         _on_signals(server.stop)
@@ -146,6 +151,9 @@ def _up(opts: dict[str, Any]) -> int:
         except ExecutorDownError as e:
             click.echo(f"agentserve up: executor died and --no-restart is set: {e}", err=True)
             return 1
+        except ServerBroken as e:
+            click.echo(f"agentserve up: internal error, stopped after ending every turn: {e}", err=True)
+            return 3
         log.info("shut down cleanly")
         return 0
     finally:

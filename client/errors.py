@@ -49,6 +49,12 @@ class InvalidSampling(AgentServeError):
     code = ErrorCode.INVALID_SAMPLING
 
 
+class LimitExceeded(InvalidRequest):
+    """A frame or field over one of the server's bounds (``configs/limits.toml``); the message names it."""
+
+    code = ErrorCode.LIMIT_EXCEEDED
+
+
 class TurnAborted(AgentServeError):
     """The server dropped the turn (a client's own abort ends the turn normally instead)."""
 
@@ -90,6 +96,7 @@ _BY_CODE: dict[ErrorCode, type[AgentServeError]] = {
         PromptTooLong,
         TurnInProgress,
         InvalidSampling,
+        LimitExceeded,
         TurnAborted,
         ExecutorFailed,
         ServerShutdown,

@@ -126,7 +126,7 @@ class AgentClient(ClientBase):
         return Session(self, opened)
 
     def stats(self) -> bytes:
-        """The server's latest stats snapshot (``stats_schema.decode_snapshot`` reads it)."""
+        """The server's latest stats snapshot (``agentserve.protocol.stats.decode_snapshot`` reads it)."""
         return self._call(GetStats(self._next_req()), StatsReply).snapshot
 
     def close(self) -> None:

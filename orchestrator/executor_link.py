@@ -1,10 +1,13 @@
 """The orchestrator's end of one executor process: spawn it, talk over the rings, notice its death.
 
 The rings are the only channel.  A reader thread blocks on the result ring (the semaphore wait
-releases the GIL) and hands each message to the orchestrator loop through a queue, writing one
-byte to a pipe so the loop's single ``zmq.Poller`` wakes for results and for client frames alike.
+releases the GIL) and hands each message to the orchestrator loop through a
+:class:`~agentserve.orchestrator.wake_queue.WakeQueue`, which the loop's single ``zmq.Poller`` waits on
+with the client socket.
 If the executor dies, the reader's wait raises ``PeerDied`` within a second and the loop receives
-an :class:`ExecutorDown` in the same queue.
+an :class:`ExecutorDown` in the same queue.  If it hangs instead (plans in flight, no result within
+the :class:`~agentserve.orchestrator.hang_watch.HangWatch` bound), :meth:`ExecutorLink.check_hung`
+kills it, and the same ``ExecutorDown`` follows with the reason.
 
 Each (re)start uses a fresh ring pair (``exec<N>``), so a restart never reads a half-written
 message of the dead process.  :meth:`ExecutorLink.restart` loads the new executor on a thread and
@@ -14,10 +17,7 @@ answering clients while the model loads.  Nothing here imports torch.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import queue
 import subprocess
 import sys
 import threading
@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from agentserve.protocol.ring_messages import WIRE_VERSION, ExecError, Ready, Shutdown
+from agentserve.orchestrator.hang_watch import HangWatch
+from agentserve.orchestrator.limits import HangRule
+from agentserve.orchestrator.wake_queue import WakeQueue
+from agentserve.protocol.ring_messages import WIRE_VERSION, ExecError, Plan, Ready, Result, Shutdown
 from agentserve.shm.channel import RingPair
 from agentserve.shm.errors import PeerDied, RingClosed, ShmError
 
@@ -76,16 +79,18 @@ class ExecutorSpec:
 
 
 class ExecutorLink:
-    def __init__(self, spec: ExecutorSpec) -> None:
+    def __init__(
+        self, spec: ExecutorSpec, hang: HangRule | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.spec = spec
+        self.watch = HangWatch(hang or HangRule())
+        self._clock = clock
+        self._hung_reason: str | None = None
         self.generation = -1
         self.pair: RingPair | None = None
         self.proc: subprocess.Popen | None = None
         self.ready: Ready | None = None
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self.inbox = WakeQueue()
         self._reader: threading.Thread | None = None
         self._starter: threading.Thread | None = None
         self._cancel = threading.Event()
@@ -99,6 +104,8 @@ class ExecutorLink:
 
     def _launch(self, timeout: float, progress: Callable[[float], None] | None) -> Ready:
         self.generation += 1
+        self._hung_reason = None
+        self.watch.reset(self._clock())
         role = f"exec{self.generation}"
         self.pair = RingPair.create(self.spec.run, role)
         # its own session: a Ctrl-C in the terminal reaches only the orchestrator, which stops it in order
@@ -188,35 +195,44 @@ class ExecutorLink:
 
     def close(self) -> None:
         self.stop()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        self.inbox.close()
 
     # ---- traffic ----------------------------------------------------------------------------
     def send(self, msg: msgspec.Struct) -> None:
         assert self.pair is not None
         self.pair.send(msg)
+        if isinstance(msg, Plan):
+            self.watch.sent(msg.step, self._clock())
+
+    def check_hung(self) -> str | None:
+        """Kill the executor if it hangs (its ``ExecutorDown`` follows through :meth:`drain`); say why."""
+        if self._hung_reason is not None or self.proc is None or self.proc.poll() is not None:
+            return None
+        reason = self.watch.hung(self._clock())
+        if reason is not None:
+            log.error("%s; killing it (pid %d)", reason, self.proc.pid)
+            self._hung_reason = reason
+            self.proc.kill()
+        return reason
 
     def fileno(self) -> int:
         """Readable when :meth:`drain` has something (for ``zmq.Poller``)."""
-        return self._wake_r
+        return self.inbox.fileno()
 
     def drain(self) -> list[object]:
         """Every message the reader thread has queued (results, errors, ExecutorDown)."""
-        with contextlib.suppress(BlockingIOError):
-            os.read(self._wake_r, 65536)
-        out = []
-        while True:
-            try:
-                out.append(self.inbox.get_nowait())
-            except queue.Empty:
-                return out
+        out = self.inbox.drain()
+        for msg in out:
+            if isinstance(msg, Result | ExecError):
+                self.watch.landed(msg, self._clock())
+        return out
 
     def _read(self, pair: RingPair) -> None:
         while True:
             try:
                 msg: object = pair.recv()
             except PeerDied as e:
-                msg = ExecutorDown(f"executor died: {e}")
+                msg = ExecutorDown(self._hung_reason or f"executor died: {e}")
             except RingClosed:
                 return
             except ShmError as e:
@@ -226,6 +242,4 @@ class ExecutorLink:
                 return
 
     def _post(self, msg: object) -> None:
-        self.inbox.put(msg)
-        with contextlib.suppress(BlockingIOError):  # a full pipe already holds a wake-up
-            os.write(self._wake_w, b"\0")
+        self.inbox.post(msg)

@@ -9,10 +9,19 @@ One thread owns everything here.  Each turn of the loop::
     └─ every ``stats_interval_s``: a snapshot onto the stats board
 
 Failure rules: bad client input gets a typed error and nothing else changes; if the executor
-dies, every running turn gets ``Error(executor_failed)`` at once, then the executor is restarted on
-fresh rings and a fresh scheduler (sessions keep their conversations and are re-prefilled on their
-next turn) — or, with ``restart=False``, the loop ends with an error.  ``stop()`` (SIGINT/SIGTERM)
-aborts running turns with ``Error(server_shutdown)`` and returns.
+dies or hangs, every running turn gets ``Error(executor_failed)`` at once, then the executor is
+restarted on fresh rings and a fresh scheduler (sessions keep their conversations and are
+re-prefilled on their next turn) — or, with ``restart=False``, the loop ends with an error.
+``stop()`` (SIGINT/SIGTERM) aborts running turns with ``Error(server_shutdown)`` and returns.
+
+Last-resort guard: an unexpected exception while handling one client message or one turn's token
+ends that turn (``Error(internal)``; the session is reset in the scheduler and keeps its
+conversation), is logged with its context, and the loop goes on.  An exception from the scheduler
+itself means a broken invariant: every turn gets ``Error(internal)`` and :meth:`Server.serve` raises
+:class:`ServerBroken` after a clean stop.
+
+Turns with more than ``tokenize_inline_bytes`` of text have their prompt built on the
+:class:`~agentserve.orchestrator.prompt_worker.PromptWorker` thread, off the loop.
 """
 
 from __future__ import annotations
@@ -21,7 +30,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
+import msgspec
 import zmq
 
 from agentserve.orchestrator.conversation import Conversation
@@ -33,6 +45,8 @@ from agentserve.orchestrator.executor_link import (
     RestartFailed,
 )
 from agentserve.orchestrator.ingress import ClientGone, Ingress
+from agentserve.orchestrator.limits import ServingLimits
+from agentserve.orchestrator.prompt_worker import Done, PromptWorker
 from agentserve.orchestrator.running_turn import RunningTurn
 from agentserve.orchestrator.scheduler.config import SchedulerConfig
 from agentserve.orchestrator.scheduler.events import SeqEvent
@@ -45,6 +59,7 @@ from agentserve.protocol.client_messages import (
     Abort,
     CloseSession,
     ErrorCode,
+    FinishReason,
     GetStats,
     OpenSession,
     ProtocolError,
@@ -52,6 +67,7 @@ from agentserve.protocol.client_messages import (
     SessionOpened,
     StatsReply,
     Turn,
+    TurnDone,
 )
 from agentserve.protocol.ring_messages import ExecError, Ready, Result
 from agentserve.protocol.sampling import Finish
@@ -70,10 +86,11 @@ class SessionRecord:
     turns: int = 0
     scheduled: bool = False  # opened in the current scheduler
     last: RunningTurn | None = None  # the previous turn (for `top`)
+    preparing: int = 0  # req of a turn whose prompt the worker thread is building
 
     @property
     def running_req(self) -> int:
-        return self.turn.req if self.turn is not None else 0
+        return self.turn.req if self.turn is not None else self.preparing
 
 
 @dataclass
@@ -82,6 +99,7 @@ class ServerOptions:
     scheduler_config: SchedulerConfig
     restart: bool = True
     stats_interval_s: float = 0.1
+    limits: ServingLimits = field(default_factory=ServingLimits)
 
 
 @dataclass
@@ -104,6 +122,8 @@ class Server:
         self._poller = zmq.Poller()
         self._poller.register(self.ingress.socket, zmq.POLLIN)
         self._poller.register(self.link.fileno(), zmq.POLLIN)
+        self.worker = PromptWorker()
+        self._poller.register(self.worker.fileno(), zmq.POLLIN)
         self._next_stats = 0.0
         self.restarting = False  # the executor is loading again after a crash
 
@@ -117,22 +137,41 @@ class Server:
         self._running = False
 
     def serve(self) -> None:
-        """Run until :meth:`stop`; then abort what runs and return."""
-        while self._running:
-            self.step(timeout_ms=self._wait_ms())
-        for rec in list(self.sessions.values()):
+        """Run until :meth:`stop`; then abort what runs and return.  Raises :class:`ServerBroken` after
+        ending every turn if the scheduler breaks an invariant."""
+        try:
+            while self._running:
+                self.step(timeout_ms=self._wait_ms())
+        except (ExecutorDownError, ExecutorStartError):
+            raise
+        except Exception as e:
+            log.critical("internal error in the scheduler: the server stops", exc_info=True)
+            self._end_all(ErrorCode.INTERNAL, f"internal server error ({type(e).__name__}: {e}); the server stops")
+            raise ServerBroken(f"{type(e).__name__}: {e}") from e
+        finally:
+            self.worker.close()
+        self._end_all(ErrorCode.SERVER_SHUTDOWN, "the server is shutting down")
+
+    def _end_all(self, code: ErrorCode, why: str) -> None:
+        for rec in self.sessions.values():
             if rec.turn is not None:
-                self._fail_turn(rec, ErrorCode.SERVER_SHUTDOWN, "the server is shutting down")
+                self._fail_turn(rec, code, why)
+            elif rec.preparing:
+                self._fail_preparing(rec, code, why)
 
     def step(self, timeout_ms: int) -> None:
         ready = dict(self._poller.poll(timeout_ms))
         if self.link.fileno() in ready:
             self._on_executor(self.link.drain())
+        if self.worker.fileno() in ready:
+            for done in self.worker.drain():
+                self._on_prepared(done)
         for client, msg in self.ingress.poll(0):
             self._on_client(client, msg)
         self._emit(self.sched.take_events())
         for msg in self.sched.schedule():  # while restarting: an empty scheduler, turns refused, nothing to send
             self.link.send(msg)
+        self.link.check_hung()  # a hung executor is killed: its ExecutorDown arrives with the next drain
         now = self.clock()
         if now >= self._next_stats:
             self._next_stats = now + self.options.stats_interval_s
@@ -183,18 +222,35 @@ class Server:
             rec = self.by_seq.get(ev.seq_id)
             if rec is None or rec.turn is None or rec.turn.seq_id != ev.seq_id:
                 continue
-            turn = rec.turn
-            if ev.token_id >= 0:
-                out = turn.on_token(ev.token_id, ev.t)
-                if out is not None:
-                    self.ingress.send(rec.client, out)
-                if turn.stopped_by_string and not ev.finished:
-                    self._emit(self.sched.abort(ev.seq_id))  # now, or when its step is back
-                    continue
-            if ev.finish is Finish.ERROR and not turn.stopped_by_string:  # a stop string completed it
-                self._fail_step(rec)
-            elif ev.finished:
-                self._finish_turn(rec, ev.finish, ev.t)
+            try:
+                self._emit_one(rec, rec.turn, ev)
+            except Exception as e:  # noqa: BLE001 - the last-resort guard: this turn ends, the server goes on
+                log.exception("unexpected error streaming turn %d of session %d", rec.turn.req, rec.session)
+                self._reset_session(rec, f"internal error while streaming this turn ({type(e).__name__}: {e})")
+
+    def _emit_one(self, rec: SessionRecord, turn: RunningTurn, ev: SeqEvent) -> None:
+        if ev.token_id >= 0:
+            out = turn.on_token(ev.token_id, ev.t)
+            if out is not None:
+                self.ingress.send(rec.client, out)
+            if turn.stopped_by_string and not ev.finished:
+                self._emit(self.sched.abort(ev.seq_id))  # now, or when its step is back
+                return
+        if ev.finish is Finish.ERROR and not turn.stopped_by_string:  # a stop string completed it
+            self._fail_step(rec)
+        elif ev.finished:
+            self._finish_turn(rec, ev.finish, ev.t)
+
+    def _reset_session(self, rec: SessionRecord, why: str) -> None:
+        """End the session's turn with ``internal`` and drop it from the scheduler (its KV is freed; the
+        conversation stays, re-prefilled next turn)."""
+        if rec.turn is not None:
+            self._fail_turn(rec, ErrorCode.INTERNAL, why)
+        elif rec.preparing:
+            self._fail_preparing(rec, ErrorCode.INTERNAL, why)
+        if rec.scheduled:
+            rec.scheduled = False
+            self._emit(self.sched.close_session(str(rec.session)))
 
     def _finish_turn(self, rec: SessionRecord, finish: Finish, t: float) -> None:
         turn = rec.turn
@@ -225,6 +281,11 @@ class Server:
         self.by_seq.pop(turn.seq_id, None)
         rec.turn = None
 
+    def _fail_preparing(self, rec: SessionRecord, code: ErrorCode, message: str) -> None:
+        """End a turn whose prompt is still being built (its late result is dropped)."""
+        self.ingress.send(rec.client, ProtocolError(code, message, rec.preparing, rec.session).to_event())
+        rec.preparing = 0
+
     # ---- client side --------------------------------------------------------------------------
     def _on_client(self, client: bytes, msg: object) -> None:
         try:
@@ -244,19 +305,55 @@ class Server:
                     self._close(rec)
         except ProtocolError as e:
             self.ingress.send(client, e.to_event())
+        except Exception as e:  # noqa: BLE001 - the last-resort guard: this request fails, the server goes on
+            self._contain(client, msg, e)
+
+    def _contain(self, client: bytes, msg: object, exc: Exception) -> None:
+        req, session = getattr(msg, "req", 0), getattr(msg, "session", 0)
+        log.error("unexpected error handling %s (req %d, session %d) from client %s", type(msg).__name__, req,
+                  session, client.hex(), exc_info=exc)
+        why = f"internal error handling this request ({type(exc).__name__}: {exc})"
+        rec = self.sessions.get(session) if session else None
+        if rec is None or rec.client != client:
+            self.ingress.send(client, ProtocolError(ErrorCode.INTERNAL, why, req, session).to_event())
+            return
+        answered = req != 0 and rec.running_req == req  # the turn this request started ends with the error
+        self._reset_session(rec, why)
+        if not answered:
+            self.ingress.send(client, ProtocolError(ErrorCode.INTERNAL, why, req, session).to_event())
 
     def _open(self, client: bytes, msg: OpenSession) -> None:
         conv = Conversation(self.tokenizer, system=msg.system, tools=list(msg.tools))
-        try:
-            prompt_tokens = len(conv.system_tokens())
-        except Exception as e:  # a template that cannot render these tools
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"cannot render the system prompt: {e}", msg.req) from None
         rec = SessionRecord(self.sessions.new_id(), client, msg.options.name, conv, msg.options.parse_tool_calls)
+        size = len(msg.system) + (len(msgspec.msgpack.encode(msg.tools)) if msg.tools else 0)
+        if size > self.options.limits.clients.tokenize_inline_bytes:
+            self.sessions.add(rec)  # announced when the worker has rendered it
+            self.worker.submit(("open", rec.session, msg), conv.system_tokens)
+            return
+        self._opened(rec, msg, self._system_tokens(msg, conv.system_tokens))
+
+    @staticmethod
+    def _system_tokens(msg: OpenSession, job: Callable[[], list[int]]) -> list[int]:
+        try:
+            return job()
+        except Exception as e:  # noqa: BLE001 - a template that cannot render these tools
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"cannot render the system prompt: {e}", msg.req) from None
+
+    def _opened(self, rec: SessionRecord, msg: OpenSession, system_tokens: list[int]) -> None:
         self.sessions.add(rec)
-        self.ingress.send(client, SessionOpened(msg.req, rec.session, prompt_tokens))
+        self.ingress.send(rec.client, SessionOpened(msg.req, rec.session, len(system_tokens)))
 
     def _turn(self, client: bytes, msg: Turn) -> None:
         rec = self.sessions.idle(client, msg.session, msg.req)
+        self._check_turn(rec, msg)
+        arrival = self.clock()
+        if sum(len(m.content) for m in msg.messages) > self.options.limits.clients.tokenize_inline_bytes:
+            rec.preparing = msg.req
+            self.worker.submit(("turn", rec.session, msg, arrival), partial(rec.conversation.prompt_for, msg))
+            return
+        self._start_turn(rec, msg, self._build(rec, msg, rec.conversation.prompt_for), arrival)
+
+    def _check_turn(self, rec: SessionRecord, msg: Turn) -> None:
         if self.restarting:
             why = "the executor is restarting after a crash; retry shortly"
             raise ProtocolError(ErrorCode.EXECUTOR_FAILED, why, msg.req, rec.session)
@@ -267,14 +364,45 @@ class Server:
                 msg.req,
                 rec.session,
             )
+
+    @staticmethod
+    def _build(rec: SessionRecord, msg: Turn, job: Callable[[Turn], Any]) -> tuple[list[int], list[dict[str, Any]]]:
+        """Run ``job`` (the conversation's prompt builder, or a finished worker result) with template
+        errors turned into the client's typed error."""
         try:
-            prompt, messages = rec.conversation.prompt_for(msg)
+            return job(msg)
         except ProtocolError:
             raise
         except ValueError as e:  # the chat template refused these messages
             raise ProtocolError(
                 ErrorCode.INVALID_REQUEST, f"cannot render the conversation: {e}", msg.req, rec.session
             ) from None
+
+    def _on_prepared(self, done: Done) -> None:
+        """A prompt the worker built: start its turn (or open its session) unless it no longer matters."""
+        kind, session, msg = done.key[:3]
+        rec = self.sessions.get(session)
+        if rec is None or (kind == "turn" and rec.preparing != msg.req):
+            return  # closed, aborted or its client went away meanwhile
+        try:
+            if kind == "open":
+                self._opened(rec, msg, self._system_tokens(msg, lambda: _result(done)))
+                return
+            rec.preparing = 0
+            built = self._build(rec, msg, lambda _: _result(done))
+            self._check_turn(rec, msg)  # the executor may have died meanwhile
+            self._start_turn(rec, msg, built, done.key[3])
+        except ProtocolError as e:
+            if kind == "open":
+                self.sessions.drop(rec)
+            self.ingress.send(rec.client, e.to_event())
+        except Exception as e:  # noqa: BLE001 - the last-resort guard
+            self._contain(rec.client, msg, e)
+
+    def _start_turn(
+        self, rec: SessionRecord, msg: Turn, built: tuple[list[int], list[dict[str, Any]]], arrival: float
+    ) -> None:
+        prompt, messages = built
         max_len = self.sched.max_len
         if len(prompt) >= max_len:
             raise ProtocolError(
@@ -286,7 +414,6 @@ class Server:
         if not rec.scheduled:
             self.sched.open_session(str(rec.session))
             rec.scheduled = True
-        arrival = self.clock()
         try:
             seq_id = self.sched.submit(str(rec.session), prompt, msg.sampling_params(), full_prompt=True, now=arrival)
         except ValueError as e:
@@ -308,18 +435,36 @@ class Server:
         self.by_seq[seq_id] = rec
 
     def _abort(self, rec: SessionRecord, turn_req: int) -> None:
+        if rec.preparing and turn_req in (0, rec.preparing):  # not scheduled yet: it ends here
+            done = TurnDone(rec.preparing, rec.session, FinishReason.ABORT, t_mono=self.clock(), t_wall=time.time())
+            rec.preparing = 0
+            self.ingress.send(rec.client, done)
+            return
         if rec.turn is None or (turn_req and turn_req != rec.turn.req):
             return  # nothing runs, or a late abort of a turn that already ended
         self._emit(self.sched.abort(rec.turn.seq_id))
 
     def _close(self, rec: SessionRecord) -> None:
         """Abort the session's running turn (its stream ends with ``aborted``), then drop the session."""
+        why = f"session {rec.session} was closed during the turn"
         if rec.turn is not None:  # end the client's stream now; the scheduler's late events find no turn
-            self._fail_turn(rec, ErrorCode.ABORTED, f"session {rec.session} was closed during the turn")
+            self._fail_turn(rec, ErrorCode.ABORTED, why)
+        elif rec.preparing:
+            self._fail_preparing(rec, ErrorCode.ABORTED, why)
         if rec.scheduled:  # a running turn is scheduled too: closing aborts it
             self._emit(self.sched.close_session(str(rec.session)))
         self.sessions.drop(rec)
 
 
+def _result(done: Done) -> Any:
+    if done.error is not None:
+        raise done.error
+    return done.result
+
+
 class ExecutorDownError(RuntimeError):
     """The executor died and the server was told not to restart it."""
+
+
+class ServerBroken(RuntimeError):
+    """The scheduler broke an invariant; the server stopped after ending every turn."""

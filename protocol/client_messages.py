@@ -53,6 +53,7 @@ class ErrorCode(enum.StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"  # the session's context would exceed max_model_len
     TURN_IN_PROGRESS = "turn_in_progress"  # a session runs one turn at a time
     INVALID_SAMPLING = "invalid_sampling"
+    LIMIT_EXCEEDED = "limit_exceeded"  # a frame or field over a bound of configs/limits.toml (named in the message)
     ABORTED = "aborted"  # the server dropped the turn (the client's own Abort ends in TurnDone)
     EXECUTOR_FAILED = "executor_failed"
     SERVER_SHUTDOWN = "server_shutdown"
@@ -252,35 +253,86 @@ class ProtocolError(ValueError):
         return Error(req=self.req, code=self.code, message=str(self), session=self.session)
 
 
-def _diagnose(data: bytes, tags: frozenset[str], err: Exception) -> ProtocolError:
-    """Why a payload failed typed decoding: malformed, unknown tag, or a bad field."""
-    try:
-        obj = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
-        return ProtocolError(ErrorCode.MALFORMED_FRAME, f"payload is not msgpack ({len(data)} bytes)")
-    if not isinstance(obj, list) or not obj or not isinstance(obj[0], str):
-        return ProtocolError(ErrorCode.MALFORMED_FRAME, "payload must be a msgpack array [tag, ...]")
-    if obj[0] not in tags:
-        return ProtocolError(ErrorCode.UNKNOWN_MESSAGE, f"unknown message type {obj[0]!r}")
-    req = obj[1] if len(obj) > 1 and isinstance(obj[1], int) and not isinstance(obj[1], bool) else 0
-    return ProtocolError(ErrorCode.MALFORMED_FRAME, f"bad {obj[0]!r} message: {err}", req=req)
+def _diagnose(data: bytes, tags: frozenset[str], err: str) -> ProtocolError:
+    """Why a payload failed typed decoding: malformed, unknown tag, or a bad field.
+
+    Reads only the head of the payload (never decodes the rest), so a hostile body costs nothing more.
+    """
+    tag, req = peek_head(data)
+    if tag is None:
+        why = f"payload must be a msgpack array [tag, ...] ({len(data)} bytes)"
+        return ProtocolError(ErrorCode.MALFORMED_FRAME, why)
+    if tag not in tags:
+        return ProtocolError(ErrorCode.UNKNOWN_MESSAGE, f"unknown message type {tag[:64]!r}")
+    return ProtocolError(ErrorCode.MALFORMED_FRAME, f"bad {tag!r} message: {err}", req=req)
+
+
+_UINT = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+_INT = {0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
+
+
+def peek_head(data: bytes) -> tuple[str | None, int]:
+    """``(tag, req)`` from the first two elements of a msgpack array, without decoding the rest.
+
+    ``tag`` is None when the payload does not start with an array whose first element is a string;
+    ``req`` is 0 when the second element is not an integer.
+    """
+    n = len(data)
+    if n == 0 or not (0x91 <= data[0] <= 0x9F or data[0] in (0xDC, 0xDD)):
+        return None, 0
+    pos = 1 if data[0] <= 0x9F else (3 if data[0] == 0xDC else 5)
+    if pos >= n:
+        return None, 0
+    head = data[pos]
+    if 0xA0 <= head <= 0xBF:
+        size, pos = head & 0x1F, pos + 1
+    elif head in (0xD9, 0xDA, 0xDB):
+        width = {0xD9: 1, 0xDA: 2, 0xDB: 4}[head]
+        size, pos = int.from_bytes(data[pos + 1 : pos + 1 + width], "big"), pos + 1 + width
+    else:
+        return None, 0
+    if pos + size > n:
+        return None, 0
+    tag = data[pos : pos + size].decode("utf-8", "replace")
+    return tag, _peek_int(data, pos + size)
+
+
+def _peek_int(data: bytes, pos: int) -> int:
+    if pos >= len(data):
+        return 0
+    head = data[pos]
+    if head <= 0x7F:
+        return head
+    width = _UINT.get(head) or _INT.get(head)
+    if width is None or pos + 1 + width > len(data):
+        return 0
+    return int.from_bytes(data[pos + 1 : pos + 1 + width], "big", signed=head in _INT)
 
 
 class _Codec:
-    def __init__(self, union: Any, tags: frozenset[str]) -> None:
+    def __init__(self, union: Any, tags: frozenset[str], max_bytes: int = 0) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(union)
         self._tags = tags
+        self.max_bytes = max_bytes  # 0: no bound
 
     def encode(self, msg: msgspec.Struct) -> bytes:
         return self._encoder.encode(msg)
 
     def decode(self, data: bytes | memoryview) -> Any:
-        """Decode one payload, or raise :class:`ProtocolError` with the right code."""
+        """Decode one payload, or raise :class:`ProtocolError` with the right code.  Never raises anything else."""
+        if self.max_bytes and len(data) > self.max_bytes:
+            tag, req = peek_head(bytes(data[:64]))
+            why = f"frame of {len(data)} bytes exceeds the limit of {self.max_bytes} (limits.request.max_frame_bytes)"
+            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, why, req=req)
         try:
             return self._decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise _diagnose(bytes(data), self._tags, e) from None
+            raise _diagnose(bytes(data), self._tags, str(e)) from None
+        except RecursionError:
+            raise _diagnose(bytes(data), self._tags, "nested too deeply") from None
+        except Exception as e:  # noqa: BLE001 - a decoder bug must not reach the server loop
+            raise _diagnose(bytes(data), self._tags, f"{type(e).__name__}: {e}") from None
 
 
 class ClientCodec(_Codec):
@@ -291,10 +343,10 @@ class ClientCodec(_Codec):
 
 
 class ServerCodec(_Codec):
-    """What the ingress uses: decodes requests, encodes server events."""
+    """What the ingress uses: decodes requests (at most ``max_bytes`` each), encodes server events."""
 
-    def __init__(self) -> None:
-        super().__init__(ClientMessage, CLIENT_TAGS)
+    def __init__(self, max_bytes: int = 0) -> None:
+        super().__init__(ClientMessage, CLIENT_TAGS, max_bytes)
 
 
 def validate(msg: Any) -> None:

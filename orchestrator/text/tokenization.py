@@ -29,6 +29,8 @@ __all__ = [
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+GIL_FREE_ENCODE_CHARS = 4096  # longer texts are encoded without holding the GIL (a worker thread's texts)
+
 class TokenizerError(ValueError):
     """A tokenizer file is missing or malformed."""
 
@@ -142,6 +144,8 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > GIL_FREE_ENCODE_CHARS:  # the batch call releases the GIL (the single one holds it)
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from agentserve.orchestrator.ingress import ClientGone, Ingress
+from agentserve.orchestrator.limits import ClientRules
 from agentserve.orchestrator.session_table import SessionTable
 from agentserve.protocol.client_messages import (
     PROTOCOL_VERSION,
@@ -78,7 +79,7 @@ class Gen:
 class EchoServer:
     def __init__(self, endpoint: str, *, max_model_len: int = 4096, token_delay_s: float = 0.0) -> None:
         info = Welcome(0, PROTOCOL_VERSION, "fake", "echo", max_model_len, "fake-run", os.getpid())
-        self.ingress = Ingress(endpoint, info=info, probe_interval_s=0.05, heartbeat_ms=200)
+        self.ingress = Ingress(endpoint, info=info, rules=ClientRules(probe_interval_s=0.05, heartbeat_ms=200))
         self.endpoint = self.ingress.endpoint
         self.max_model_len = max_model_len
         self.token_delay_s = token_delay_s

@@ -12,13 +12,12 @@ import signal
 import subprocess
 import threading
 import time
-import uuid
-from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
 from rich.console import Console
+from up_server import UpServer
 
 from agentserve.cli.top_view import render
 from agentserve.client import AgentClient, ExecutorFailed, InvalidRequest, InvalidSampling, PromptTooLong
@@ -63,38 +62,11 @@ AGENT_SAMPLING = [
 # tests cover the filters; this test covers seeds, batching, chunking and prefix reuse end to end.
 
 
-class UpServer:
-    def __init__(self, tmp: Path) -> None:
-        self.run = f"e2e{uuid.uuid4().hex[:6]}"
-        self.sock = tmp / "as.sock"
-        self.endpoint = f"ipc://{self.sock}"
-        self.trace = tmp / "steps.jsonl"
-        cmd = ["agentserve", "up", "--model", "tiny", "--run", self.run, "--endpoint", self.endpoint]
-        cmd += ["--trace-steps", str(self.trace)]
-        cmd += ["--dtype", "float32", "--num-blocks", "512", "--max-model-len", "2048"]
-        self.log = open(tmp / "up.log", "w+")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        line = self.proc.stdout.readline()
-        assert "ready on" in line, f"server did not start: {line!r}\n{self.logs()}"
-
-    def logs(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def executor_pid(self) -> int:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
-        assert len(out) == 1, out
-        return int(out[0])
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     srv = UpServer(tmp_path_factory.mktemp("up"))
     yield srv
-    if srv.proc.poll() is None:
-        srv.proc.kill()
-        srv.proc.wait()
-    srv.log.close()
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

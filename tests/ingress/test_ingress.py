@@ -10,9 +10,10 @@ import time
 
 import msgspec
 import pytest
-import zmq
+from peer_helpers import pump, reply
 
 from agentserve.orchestrator.ingress import ClientGone, Ingress
+from agentserve.orchestrator.limits import ClientRules
 from agentserve.protocol.client_messages import (
     PROTOCOL_VERSION,
     ClientCodec,
@@ -35,42 +36,9 @@ def ingress(tmp_path):
     with Ingress(
         f"ipc://{tmp_path}/in.sock",
         info=info,
-        probe_interval_s=0.05,
-        heartbeat_ms=200,
-        heartbeat_timeout_ms=600,
+        rules=ClientRules(probe_interval_s=0.05, heartbeat_ms=200, heartbeat_timeout_ms=600),
     ) as ing:
         yield ing
-
-
-@pytest.fixture
-def peer(ingress):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(ingress.endpoint)
-    yield sock
-    sock.close()
-    ctx.term()
-
-
-def pump(ingress, until, timeout=5.0):
-    """Poll the ingress until ``until(collected)`` holds; return what poll() returned."""
-    got = []
-    deadline = time.monotonic() + timeout
-    while not until(got) and time.monotonic() < deadline:
-        got.extend(ingress.poll(20))
-    return got
-
-
-def reply(ingress, peer, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ingress.poll(10)
-        if peer.poll(10):
-            payload = peer.recv()
-            if payload:  # skip liveness probes
-                return codec.decode(payload)
-    raise AssertionError("no reply")
 
 
 def test_hello_is_answered_by_the_ingress_itself(ingress, peer):

@@ -80,8 +80,17 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _serve(server: Server) -> None:
+    try:
+        server.serve()
+    except Exception as e:  # noqa: BLE001 - a test reads it
+        server.raised = e  # type: ignore[attr-defined]
+
+
 @contextlib.contextmanager
-def serving(tmp_path: Path, trace: StepTrace | None = None) -> Iterator[tuple[str, FakeLink, Server]]:
+def serving(
+    tmp_path: Path, trace: StepTrace | None = None, options: ServerOptions | None = None
+) -> Iterator[tuple[str, FakeLink, Server]]:
     """A served endpoint (its loop on a thread), the fake link and the server; stopped and cleaned up on exit."""
     run = f"t{uuid.uuid4().hex[:8]}"
     endpoint = f"ipc://{tmp_path}/ingress.sock"
@@ -89,9 +98,9 @@ def serving(tmp_path: Path, trace: StepTrace | None = None) -> Iterator[tuple[st
     ingress = Ingress(endpoint)
     publisher = StatsPublisher(run, endpoint, "tiny", 50.0, 2000.0)
     tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
-    options = ServerOptions("agentserve", SchedulerConfig())
+    options = options or ServerOptions("agentserve", SchedulerConfig())
     server = Server(ingress, link, tokenizer, options, publisher, trace=trace)  # type: ignore[arg-type]
-    loop = threading.Thread(target=server.serve, name="server-loop")
+    loop = threading.Thread(target=_serve, args=(server,), name="server-loop")
     loop.start()
     try:
         yield endpoint, link, server

@@ -1,0 +1,64 @@
+"""Prompt building (chat template + tokenisation) of large texts on one worker thread.
+
+A 4 MiB message takes seconds to tokenise; done on the orchestrator loop it would freeze every
+agent's token stream for that long.  The server hands such jobs here; the worker runs them in order
+(the tokenizer releases the GIL while it encodes) and posts each outcome to a
+:class:`~agentserve.orchestrator.wake_queue.WakeQueue` the loop's ``zmq.Poller`` waits on.  Jobs never
+touch the server's state: the loop applies their results, first checking that the job still matters.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from agentserve.orchestrator.wake_queue import WakeQueue
+
+
+@dataclass(frozen=True)
+class Done:
+    key: Any
+    result: Any = None
+    error: BaseException | None = None
+
+
+class PromptWorker:
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = WakeQueue()
+        self.pending = 0
+        self._thread = threading.Thread(target=self._run, name="prompt-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: Any, job: Callable[[], Any]) -> None:
+        self.pending += 1
+        self._jobs.put((key, job))
+
+    def fileno(self) -> int:
+        """Readable when :meth:`drain` has something (for ``zmq.Poller``)."""
+        return self._done.fileno()
+
+    def drain(self) -> list[Done]:
+        out: list[Done] = self._done.drain()  # type: ignore[assignment]
+        self.pending -= len(out)
+        return out
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            key, job = item
+            try:
+                done = Done(key, result=job())
+            except Exception as e:  # noqa: BLE001 - the loop turns it into the client's error
+                done = Done(key, error=e)
+            self._done.post(done)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5.0)
+        self._done.close()
