@@ -24,6 +24,8 @@ def message_dict(m: Message) -> dict[str, Any]:
         out["tool_call_id"] = m.tool_call_id
     if m.name:
         out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = m.tool_calls
     return out
 
 

@@ -70,12 +70,14 @@ class FinishReason(enum.StrEnum):
 
 
 class Message(WireStruct):
-    """One chat message.  ``tool_call_id`` links a ``tool`` message to the call it answers."""
+    """One chat message.  ``tool_call_id`` links a ``tool`` message to the call it answers;
+    ``tool_calls`` (assistant messages, OpenAI shape) are rendered by the chat template."""
 
     role: str
     content: str
     tool_call_id: str = ""
     name: str = ""
+    tool_calls: list[dict[str, Any]] = []
 
 
 class SessionOptions(WireStruct, frozen=True):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from agentserve.orchestrator.scheduler import block_manager
 from agentserve.orchestrator.scheduler.block_manager import BlockManager
 from agentserve.orchestrator.scheduler.kv_manager import Admit, KVManager
 from agentserve.orchestrator.scheduler.request import Request
-from agentserve.orchestrator.scheduler import block_manager
 from agentserve.orchestrator.scheduler.session_kv import SessionKV
 from agentserve.protocol.sampling import SamplingParams
 
