@@ -48,10 +48,18 @@ class Backend:
                                              on_evict=self.close_later)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._connector: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self._connector = asyncio.create_task(self._connect())
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def _sweep(self, every_s: float = 5.0) -> None:
+        """Close the sessions of conversations nobody continued within ``conversation_idle_s``."""
+        while True:
+            await asyncio.sleep(every_s)
+            self.conversations.sweep()
 
     async def _connect(self) -> None:
         while True:
@@ -70,10 +78,11 @@ class Backend:
             return
 
     async def stop(self) -> None:
-        if self._connector is not None:
-            self._connector.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._connector
+        for task in (self._connector, self._sweeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.client is not None:
             for session in self.conversations.drain():
                 self.close_later(session)

@@ -95,8 +95,10 @@ class HermesFormat(ToolCallFormat):
         calls = []
         for block in text[start:].split(OPEN)[1:]:
             end = block.find(CLOSE)
-            body = block if end < 0 else block[:end]
-            calls.append(call_text(body, final or end >= 0))
+            if end >= 0:
+                calls.append(call_text(block[:end], True))
+            else:  # a tail that may be the start of the closing tag is not part of the call's JSON
+                calls.append(call_text(block if final else block[: len(block) - _held_prefix(block, CLOSE)], final))
         return Scan(text[:start].rstrip(), calls)
 
 
@@ -107,8 +109,8 @@ class Llama3JsonFormat(ToolCallFormat):
     def scan(self, text: str, final: bool) -> Scan:
         body = text.removeprefix(self.PYTHON_TAG).lstrip()
         if not body.startswith("{"):
-            if not body and not final:
-                return Scan("", [])
+            if not final and (not body or self.PYTHON_TAG.startswith(text.lstrip())):
+                return Scan("", [])  # nothing yet, or what may still become the tag
             return Scan(text, [])
         calls: list[CallText] = []
         decoder = json.JSONDecoder()

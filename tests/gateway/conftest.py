@@ -33,7 +33,8 @@ class HttpServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = ["agentserve", "up", "--model", "tiny", "--run", self.run, "--endpoint", f"ipc://{tmp}/as.sock",
+        self.endpoint = f"ipc://{tmp}/as.sock"
+        cmd = ["agentserve", "up", "--model", "tiny", "--run", self.run, "--endpoint", self.endpoint,
                "--http", f"127.0.0.1:{self.port}", "--dtype", "float32", "--num-blocks", "1024",
                "--max-model-len", "4096", *(extra or [])]
         env = {**os.environ, "AGENTSERVE_API_KEY": api_key}
@@ -60,6 +61,14 @@ class HttpServer:
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def snapshot(self):
+        """The orchestrator's stats, over the ZeroMQ protocol."""
+        from agentserve.client import AgentClient
+        from agentserve.protocol.stats import decode_snapshot
+
+        with AgentClient(self.endpoint) as client:
+            return decode_snapshot(client.stats())
 
     def logs(self) -> str:
         self.log.seek(0)
