@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from agentserve.gateway.backend import Backend, GatewayOptions
 from agentserve.gateway.chat import chat_completions
 from agentserve.gateway.errors import APIError, unauthorized
-from agentserve.gateway.info_routes import health, models
+from agentserve.gateway.info_routes import health, metrics, models
 
 log = logging.getLogger("agentserve.gateway")
 
@@ -64,7 +64,37 @@ def routes() -> list[Route]:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
+
+
+class RequestCounter:
+    """ASGI middleware: ``agentserve:http_requests_total{path, status}`` (known routes only: no label for
+    every path a scanner tries)."""
+
+    def __init__(self, app: ASGIApp, backend: Backend, paths: frozenset[str]) -> None:
+        self.app = app
+        self.backend = backend
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def sending(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            metrics = self.backend.metrics
+            if metrics is not None:
+                path = scope["path"] if scope["path"] in self.paths else "other"
+                metrics.http_requests.labels(path=path, status=str(status[0])).inc()
 
 
 def build_app(options: GatewayOptions) -> Starlette:
@@ -79,8 +109,10 @@ def build_app(options: GatewayOptions) -> Starlette:
             await backend.stop()
 
     handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_error, Exception: _unexpected}
-    app = Starlette(routes=routes(), exception_handlers=handlers, lifespan=lifespan)
+    table = routes()
+    app = Starlette(routes=table, exception_handlers=handlers, lifespan=lifespan)
     app.state.backend = backend
     if options.api_key:
         app.add_middleware(APIKeyCheck, api_key=options.api_key)
+    app.add_middleware(RequestCounter, backend=backend, paths=frozenset(r.path for r in table))
     return app

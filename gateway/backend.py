@@ -16,6 +16,7 @@ from typing import Any
 from agentserve.client import AgentServeError, AsyncAgentClient, AsyncSession
 from agentserve.gateway.conversations import ConversationMap
 from agentserve.gateway.errors import APIError, not_found, unavailable
+from agentserve.gateway.metrics import Metrics
 from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.client_messages import Welcome
 from agentserve.protocol.stats import Snapshot, decode_snapshot
@@ -44,6 +45,7 @@ class Backend:
         self.client: AsyncAgentClient | None = None
         self.welcome: Welcome | None = None
         self.tokenizer: Tokenizer | None = None
+        self.metrics: Metrics | None = None
         self.conversations = ConversationMap(options.conversation_capacity, options.conversation_idle_s,
                                              on_evict=self.close_later)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -73,7 +75,9 @@ class Backend:
             welcome = client.server
             assert welcome is not None
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, welcome.model)
-            self.client, self.welcome = client, welcome
+            self.welcome = welcome
+            self.metrics = Metrics(self.model_name, welcome.max_model_len, self.options.metrics_compat)
+            self.client = client
             log.info("connected to the orchestrator at %s (model %s)", self.options.endpoint, welcome.model)
             return
 

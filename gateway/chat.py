@@ -38,7 +38,26 @@ async def chat_completions(request: Request) -> Response:
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": plan.model}
     if plan.stream:
         return StreamingResponse(stream(runs, plan, head), media_type="text/event-stream", headers=sse.HEADERS)
-    return JSONResponse(await whole(runs, head))
+    return JSONResponse(await unless_disconnected(request, whole(runs, head), runs))
+
+
+async def unless_disconnected(request: Request, answer: Any, runs: list[ChoiceRun]) -> Any:
+    """Await ``answer``; if the client disconnects first, abort the turns at once (a 499, never read)."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(answer), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    for run in runs:
+        run.abandon()
+    raise APIError(499, "the client closed the connection", type="client_closed_request")
 
 
 async def start_choices(backend: Backend, plan: ChatPlan) -> list[ChoiceRun]:
@@ -120,6 +139,9 @@ async def stream(runs: list[ChoiceRun], plan: ChatPlan, head: dict[str, Any]) ->
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         return sse.event({**head, "choices": [choice], **extra})
 
+    metrics = runs[0].backend.metrics
+    if metrics is not None:
+        metrics.open_streams.inc()
     try:
         for run in runs:
             yield chunk(run.index, {"role": "assistant", "content": ""})
@@ -131,6 +153,8 @@ async def stream(runs: list[ChoiceRun], plan: ChatPlan, head: dict[str, Any]) ->
     except APIError as e:
         yield sse.event(e.body())
     finally:
+        if metrics is not None:
+            metrics.open_streams.inc(-1)
         for run in runs:
             run.abandon()  # a choice still running here lost its client: abort it now
     yield sse.DONE

@@ -34,6 +34,8 @@ class ChoiceRun:
         self.t_arrival = time.monotonic()
         self.t_first: float | None = None
         self.t_last: float | None = None
+        self._t_server: float | None = None
+        self.gaps: list[float] = []  # seconds between consecutive tokens (the orchestrator's clock)
         self._events: AsyncIterator[Any] | None = None
         self._first: Any = None
 
@@ -84,7 +86,16 @@ class ChoiceRun:
             raise from_client_error(e) from None
         for delta in self.streamer.finish():
             yield delta
+        self._observe()
         self._file()
+
+    def _observe(self) -> None:
+        metrics = self.backend.metrics
+        if metrics is None or self.done is None:
+            return
+        ttft = self.t_first - self.t_arrival if self.t_first is not None else None
+        reason = "abort" if self.done.finish == FinishReason.ABORT else self.finish_reason
+        metrics.on_turn(self.done, ttft, self.gaps, time.monotonic() - self.t_arrival, self.resumed, reason)
 
     def _on(self, event: Any) -> list[Delta]:
         if isinstance(event, TokenIds):
@@ -92,6 +103,9 @@ class ChoiceRun:
             self.t_first = self.t_first or now
             self.t_last = now
             self.tokens += len(event.token_ids)
+            if self._t_server is not None and event.token_ids:
+                self.gaps.append(event.t_server - self._t_server)
+            self._t_server = event.t_server if event.token_ids else self._t_server
         elif isinstance(event, TextDelta):
             return self.streamer.feed(event.text)
         elif isinstance(event, Done):
@@ -124,6 +138,8 @@ class ChoiceRun:
         session, self.session = self.session, None
         if session is not None:
             self.backend.close_later(session)
+            if self.backend.metrics is not None:
+                self.backend.metrics.success.labels(finished_reason="abort").inc()
 
     def message(self) -> dict[str, Any]:
         """The non-streamed ``message`` of this choice."""

@@ -93,7 +93,7 @@ def no_leftover_shared_memory():
 
 @pytest.fixture(scope="package")
 def http_server(tmp_path_factory: pytest.TempPathFactory):
-    server = HttpServer(tmp_path_factory.mktemp("gw"), api_key=API_KEY)
+    server = HttpServer(tmp_path_factory.mktemp("gw"), extra=["--metrics-compat", "vllm"], api_key=API_KEY)
     yield server
     logs = server.logs()
     assert server.stop() == 0, logs
