@@ -17,7 +17,7 @@ from agentserve.gateway.errors import bad_request
 from agentserve.gateway.messages import Canonical, Translated, translate
 from agentserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
 from agentserve.orchestrator.text.tool_formats import ToolCallFormat
-from agentserve.protocol.client_messages import Message
+from agentserve.protocol.client_messages import Constraint, Message
 
 
 @dataclass
@@ -91,6 +91,27 @@ def _check_tool_choice(req: ChatCompletionRequest, tools: list[dict[str, Any]]) 
                               param="tool_choice")
 
 
+def constraint(req: ChatCompletionRequest) -> Constraint | None:
+    """The grammar a request asks for: ``response_format`` json_object / json_schema, or a forced tool call
+    (``tool_choice`` required or named).  The orchestrator compiles it (a 400 if it cannot)."""
+    fmt = req.response_format
+    schema = ""
+    if fmt is not None and fmt.type == "json_object":
+        schema = '{"type": "object"}'
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise bad_request("response_format json_schema needs `json_schema`", param="response_format")
+        schema = json.dumps(fmt.json_schema.schema or {"type": "object"})
+    choice = req.tool_choice
+    forced = choice.function.name if isinstance(choice, NamedToolChoice) else choice if choice == "required" else ""
+    if schema and forced:
+        raise bad_request("response_format and a forced tool_choice cannot be combined", param="tool_choice")
+    if not schema and not forced:
+        return None
+    parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
+    return Constraint(json_schema=schema, tool_choice=forced, parallel_tool_calls=parallel)
+
+
 def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
     _, welcome, tokenizer = backend.require()
     backend.check_model(req.model)
@@ -107,6 +128,7 @@ def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
     _check_tool_choice(req, tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     options = sampling_options(req, max_tokens, opts, welcome.max_model_len)
+    options["constraint"] = constraint(req)
     scan = bool(tools) and req.tool_choice != "none"
     seed = json.dumps([backend.model_name, tools], sort_keys=True).encode()
     return ChatPlan(

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from agentserve.orchestrator.constraints import constrained_sampling
 from agentserve.orchestrator.conversation import Conversation
 from agentserve.orchestrator.executor_link import (
     ExecutorDown,
@@ -283,12 +284,13 @@ class Server:
                 msg.req,
                 rec.session,
             )
+        sampling = constrained_sampling(msg, rec.conversation.tools, self.tokenizer, self.vocab_size)
         if not rec.scheduled:
             self.sched.open_session(str(rec.session))
             rec.scheduled = True
         arrival = self.clock()
         try:
-            seq_id = self.sched.submit(str(rec.session), prompt, msg.sampling_params(), full_prompt=True, now=arrival)
+            seq_id = self.sched.submit(str(rec.session), prompt, sampling, full_prompt=True, now=arrival)
         except ValueError as e:
             raise ProtocolError(ErrorCode.INVALID_SAMPLING, str(e), msg.req, rec.session) from None
         turn = RunningTurn(

@@ -88,6 +88,7 @@ class Tokenizer:
         eos_token_ids: list[int],
     ) -> None:
         self._tok = tokenizer
+        self.folder: Path | None = None  # the checkpoint folder (from_dir)
         self.special_tokens = special_tokens
         self.chat_templates = chat_templates
         self.eos_token_ids = eos_token_ids
@@ -110,7 +111,9 @@ class Tokenizer:
             if (t := _token_text(config.get(n, legacy.get(n)))) is not None
         }
         eos_ids = cls._eos_ids(folder, tok, special.get("eos_token"))
-        return cls(tok, special, _chat_templates(folder, config), eos_ids)
+        made = cls(tok, special, _chat_templates(folder, config), eos_ids)
+        made.folder = folder
+        return made
 
     @staticmethod
     def _eos_ids(folder: Path, tok: _HFTokenizer, eos_token: str | None) -> list[int]:
