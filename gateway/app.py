@@ -17,8 +17,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentserve.gateway.backend import Backend, GatewayOptions
 from agentserve.gateway.chat import chat_completions
+from agentserve.gateway.completions import completions
 from agentserve.gateway.errors import APIError, unauthorized
 from agentserve.gateway.info_routes import health, metrics, models
+from agentserve.gateway.tokenize_routes import detokenize, tokenize
 
 log = logging.getLogger("agentserve.gateway")
 
@@ -62,7 +64,10 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 def routes() -> list[Route]:
     return [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -17,6 +17,7 @@ from agentserve.client import AgentServeError, AsyncAgentClient, AsyncSession
 from agentserve.gateway.conversations import ConversationMap
 from agentserve.gateway.errors import APIError, not_found, unavailable
 from agentserve.gateway.metrics import Metrics
+from agentserve.gateway.token_conversations import TokenConversationMap
 from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.client_messages import Welcome
 from agentserve.protocol.stats import Snapshot, decode_snapshot
@@ -48,6 +49,7 @@ class Backend:
         self.metrics: Metrics | None = None
         self.conversations = ConversationMap(options.conversation_capacity, options.conversation_idle_s,
                                              on_evict=self.close_later)
+        self.token_conversations = TokenConversationMap(options.conversation_capacity, on_evict=self.close_later)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._connector: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -88,7 +90,7 @@ class Backend:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         if self.client is not None:
-            for session in self.conversations.drain():
+            for session in [*self.conversations.drain(), *self.token_conversations.drain()]:
                 self.close_later(session)
             if self._tasks:
                 await asyncio.wait(list(self._tasks), timeout=2.0)
@@ -110,6 +112,11 @@ class Backend:
         if self.options.served_model_name:
             return self.options.served_model_name
         return self.welcome.model.rstrip("/").rsplit("/", 1)[-1] if self.welcome else ""
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the tokenizer knows (the model's own vocabulary may be padded beyond it)."""
+        return self.tokenizer.vocab_size if self.tokenizer is not None else 0
 
     def check_model(self, model: str | None) -> None:
         """``model`` may be omitted, the served name, or the checkpoint path; anything else is a 404."""
