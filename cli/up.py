@@ -18,6 +18,7 @@ import click
 
 from agentserve import configs
 from agentserve.cli.engine_options import engine_config, engine_flags
+from agentserve.cli.gateway_process import GatewayProcess, parse_http
 from agentserve.configs.logging import setup_logging
 from agentserve.orchestrator.executor_link import ExecutorLink, ExecutorSpec, ExecutorStartError
 from agentserve.orchestrator.ingress import Ingress
@@ -73,6 +74,13 @@ def _resolve_model(name: str, cache_dir: str) -> str:
 @click.option("--no-restart", is_flag=True, help="Exit instead of restarting a crashed executor.")
 @click.option("--trace-steps", type=click.Path(dir_okay=False), default=None,
               help="Append one JSON line per executor step to this file (lane, rung, times, tokens, policy state).")
+@click.option("--http", "http", default=None, metavar="HOST:PORT",
+              help="Also serve the OpenAI-compatible HTTP API here (loopback unless --allow-remote).")
+@click.option("--api-key", default=None, envvar="AGENTSERVE_API_KEY",
+              help="With --http: require `Authorization: Bearer KEY` (not on /health, /metrics).")
+@click.option("--served-model-name", default=None, help="With --http: the model name clients send.")
+@click.option("--metrics-compat", type=click.Choice(["vllm"]), default=None,
+              help="With --http: also emit every metric under vLLM's `vllm:` names.")
 @click.option("--log-level", default="INFO", show_default=True)
 @click.option("--log-json", is_flag=True, help="JSON log lines.")
 def up(**opts: Any) -> None:
@@ -107,6 +115,7 @@ def _up(opts: dict[str, Any]) -> int:
     removed = cleanup_stale()
     if removed:
         log.info("removed %d shared-memory leftovers of dead runs", len(removed))
+    http = parse_http(opts["http"], opts["allow_remote"]) if opts["http"] else None
     model_dir = _resolve_model(str(engine["model"]), str(engine.get("cache_dir", "")))
     tokenizer = Tokenizer.from_dir(model_dir)
     policy = sched_config.scheduler.policy
@@ -114,7 +123,7 @@ def _up(opts: dict[str, Any]) -> int:
         opts["endpoint"] or default_endpoint(run), allow_remote=opts["allow_remote"], limits=limits.request,
         rules=limits.clients,
     )
-    publisher = link = trace = None
+    publisher = link = trace = gateway = None
     try:
         if opts["trace_steps"]:  # before the model loads: a bad path fails at once
             trace = StepTrace(opts["trace_steps"])
@@ -138,12 +147,16 @@ def _up(opts: dict[str, Any]) -> int:
             trace=trace,
         )
         _on_signals(server.stop)
+        if http is not None:
+            gateway = GatewayProcess(ingress.endpoint, *http, _gateway_args(opts, str(engine["model"])),
+                                     opts["log_level"], api_key=opts["api_key"] or "").start()
         gc.collect()
         gc.freeze()  # start-up objects never need scanning again: fewer long GC pauses in the loop
         click.echo(
             f"AgentServe ready on {ingress.endpoint} · model {model_dir} · policy {policy} · "
             f"{ready.backend} ({len(ready.ladder)} rungs) · KV {ready.num_blocks * ready.block_size} tokens · "
             f"loaded in {time.monotonic() - t0:.1f} s · run {run}"
+            + (f" · HTTP {gateway.url}" if gateway is not None else "")
         )
         sys.stdout.flush()
         try:
@@ -157,6 +170,8 @@ def _up(opts: dict[str, Any]) -> int:
         log.info("shut down cleanly")
         return 0
     finally:
+        if gateway is not None:
+            gateway.stop()
         if link is not None:
             link.close()
         if publisher is not None:
@@ -164,6 +179,14 @@ def _up(opts: dict[str, Any]) -> int:
         if trace is not None:
             trace.close()
         ingress.close()
+
+
+def _gateway_args(opts: dict[str, Any], model: str) -> list[str]:
+    args = ["--allow-remote"] if opts["allow_remote"] else []
+    args += ["--served-model-name", opts["served_model_name"] or model]
+    if opts["metrics_compat"]:
+        args += ["--metrics-compat", opts["metrics_compat"]]
+    return args
 
 
 class _Status:

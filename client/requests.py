@@ -8,6 +8,7 @@ from typing import Any, TypedDict
 
 from agentserve.protocol.client_messages import (
     PROTOCOL_VERSION,
+    Constraint,
     Message,
     OpenSession,
     SessionOptions,
@@ -29,6 +30,7 @@ class TurnOptions(TypedDict, total=False):
     seed: int | None
     stop: list[str]
     ignore_eos: bool
+    constraint: Constraint | None  # grammar-constrained output (JSON schema, forced tool calls)
 
 
 def to_message(m: MessageLike) -> Message:

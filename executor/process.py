@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentserve.executor.errors import EngineError
+from agentserve.executor.grammar import GrammarMasks
 from agentserve.executor.lanes import LaneWorker, SeqReady
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.detect import detect
@@ -81,7 +82,9 @@ class ExecutorOptions:
 class Executor:
     def __init__(self, pair: RingPair, runner: ModelRunner, backend: PartitionBackend) -> None:
         self.pair, self.runner, self.backend = pair, runner, backend
-        self.table = SequenceTable(runner.device)
+        grammars = GrammarMasks(runner.model_dir / "tokenizer.json", runner.config.vocab_size,
+                                runner.config.eos_token_ids)
+        self.table = SequenceTable(runner.device, grammars)
         self.step = StepExecutor(runner, self.table, runner.config.eos_token_ids)
         self._send_lock = threading.Lock()
         top = len(backend.ladder) - 1

@@ -108,6 +108,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         weights: str = "auto",
     ) -> None:
+        self.model_dir = Path(model_dir)
         self.config = config = load_config(model_dir)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, config)

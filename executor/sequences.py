@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from agentserve.executor.errors import InvalidRequestError
+from agentserve.executor.grammar import GrammarMasks
 from agentserve.executor.sampler import make_generator
 from agentserve.protocol.ring_messages import SeqPlan
 from agentserve.protocol.sampling import Finish, SamplingParams
@@ -31,6 +33,7 @@ class SeqState:
     last_token: int = -1
     num_generated: int = 0
     finish: Finish = Finish.NONE
+    matcher: Any = None  # the llguidance matcher of a constrained sequence, advanced with each sample
 
     def tokens_for(self, plan: SeqPlan) -> list[int]:
         """The tokens this step feeds: the plan's, or the last sampled one (decode overlap)."""
@@ -42,8 +45,9 @@ class SeqState:
 
 
 class SequenceTable:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, grammars: GrammarMasks | None = None) -> None:
         self._device = device
+        self.grammars = grammars
         self._seqs: dict[int, SeqState] = {}
         self._lock = threading.Lock()
 
@@ -59,9 +63,18 @@ class SequenceTable:
                     raise InvalidRequestError(f"sequence {plan.seq_id}: first plan has no sampling params")
                 gen_device = self._device if self._device.type == "cuda" else "cpu"
                 state = SeqState(plan.sampling, make_generator(plan.sampling.seed, gen_device))
+                state.matcher = self._matcher(plan)
                 self._seqs[plan.seq_id] = state
         state.block_table.extend(plan.new_blocks)
         return state
+
+    def _matcher(self, plan: SeqPlan) -> Any:
+        sampling = plan.sampling
+        if sampling is None or not sampling.grammar:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError(f"sequence {plan.seq_id}: constrained output, but this executor has no grammars")
+        return self.grammars.matcher(sampling.grammar, sampling.grammar_prefix)
 
     def release(self, seq_ids: list[int]) -> None:
         with self._lock:

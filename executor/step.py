@@ -13,6 +13,7 @@ from collections.abc import Collection
 
 import torch
 
+from agentserve.executor.grammar import advance, mask_logits
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 from agentserve.executor.sampler import Sampler
 from agentserve.executor.sequences import SeqState, SequenceTable
@@ -55,9 +56,10 @@ class StepExecutor:
                 torch.cuda.current_stream(logits.device).synchronize()
             return results
         states = [work[i][1] for i in rows]
-        tokens, logprobs = self.sampler.sample(
-            logits[rows], [st.sampling for st in states], [st.generator for st in states]
-        )
+        picked = logits[rows]
+        if any(st.matcher is not None for st in states):
+            mask_logits(picked, [st.matcher for st in states])
+        tokens, logprobs = self.sampler.sample(picked, [st.sampling for st in states], [st.generator for st in states])
         for i, st, token, logprob in zip(rows, states, tokens, logprobs, strict=True):
             sp = work[i][0]
             st.last_token = token
@@ -66,5 +68,7 @@ class StepExecutor:
             st.finish = finish_reason(
                 token, st.num_generated, st.sampling, self.eos_token_ids, seq_len + 1, self.max_model_len
             )
+            if st.matcher is not None and advance(st.matcher, token) and st.finish == Finish.NONE:
+                st.finish = Finish.STOP  # the grammar is complete: nothing more may follow
             results[i] = SeqResult(sp.seq_id, token, logprob, st.finish)
         return results

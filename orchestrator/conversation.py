@@ -24,6 +24,8 @@ def message_dict(m: Message) -> dict[str, Any]:
         out["tool_call_id"] = m.tool_call_id
     if m.name:
         out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = m.tool_calls
     return out
 
 
@@ -98,7 +100,8 @@ class Conversation:
         self.exact_text = spoken if verbatim else None
 
     def system_tokens(self) -> list[int]:
-        """The templated system prompt and tool schemas (empty without either)."""
-        if not self.head() and not self.tools:
+        """The templated system prompt and tool schemas (empty without a system prompt: a template renders
+        no conversation of zero messages, so tools alone come with the first turn's messages)."""
+        if not self.head():
             return []
         return self._encode(self.render([], add_generation_prompt=False))

@@ -17,7 +17,6 @@ from typing import Any
 from agentserve.orchestrator.text.detokenizer import IncrementalDetokenizer
 from agentserve.orchestrator.text.stop_strings import StopStringMatcher
 from agentserve.orchestrator.text.tokenization import Tokenizer
-from agentserve.orchestrator.text.tool_calls import parse_tool_calls
 from agentserve.protocol.client_messages import (
     FinishReason,
     Timings,
@@ -83,7 +82,7 @@ class RunningTurn:
             events.append(TokenEvent(self.req, self.session, [], tail, t, time.time()))
         finish = FinishReason.STOP if self.stopped_by_string else _FINISH.get(reason, FinishReason.STOP)
         if self.parse_tools and finish != FinishReason.ABORT:
-            calls = parse_tool_calls(self.raw_text()).calls
+            calls = self.tokenizer.tool_call_format.parse(self.raw_text())
             self._tool_calls = bool(calls)
             for call in calls:
                 call_id = f"call_{uuid.uuid4().hex[:12]}"
@@ -103,7 +102,7 @@ class RunningTurn:
     def tool_calls_made(self) -> bool:
         """Whether the finished output holds a valid tool call (parsed once)."""
         if self._tool_calls is None:
-            self._tool_calls = self.parse_tools and bool(parse_tool_calls(self.raw_text()).calls)
+            self._tool_calls = self.parse_tools and bool(self.tokenizer.tool_call_format.parse(self.raw_text()))
         return self._tool_calls
 
     def output_ids(self) -> list[int]:

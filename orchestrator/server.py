@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from agentserve.orchestrator.constraints import constrained_sampling
 from agentserve.orchestrator.conversation import Conversation
 from agentserve.orchestrator.executor_link import (
     ExecutorDown,
@@ -411,11 +412,12 @@ class Server:
                 msg.req,
                 rec.session,
             )
+        sampling = constrained_sampling(msg, rec.conversation.tools, self.tokenizer, self.vocab_size)
         if not rec.scheduled:
             self.sched.open_session(str(rec.session))
             rec.scheduled = True
         try:
-            seq_id = self.sched.submit(str(rec.session), prompt, msg.sampling_params(), full_prompt=True, now=arrival)
+            seq_id = self.sched.submit(str(rec.session), prompt, sampling, full_prompt=True, now=arrival)
         except ValueError as e:
             raise ProtocolError(ErrorCode.INVALID_SAMPLING, str(e), msg.req, rec.session) from None
         turn = RunningTurn(

@@ -112,6 +112,7 @@ class StatsPublisher:
                 turns_done=self.turns_done,
                 tokens_out=self.tokens_out,
                 tokens_per_s=self._tokens_per_s(now),
+                restarting=server.restarting,
             )
         )
 

@@ -71,12 +71,14 @@ class FinishReason(enum.StrEnum):
 
 
 class Message(WireStruct):
-    """One chat message.  ``tool_call_id`` links a ``tool`` message to the call it answers."""
+    """One chat message.  ``tool_call_id`` links a ``tool`` message to the call it answers;
+    ``tool_calls`` (assistant messages, OpenAI shape) are rendered by the chat template."""
 
     role: str
     content: str
     tool_call_id: str = ""
     name: str = ""
+    tool_calls: list[dict[str, Any]] = []
 
 
 class SessionOptions(WireStruct, frozen=True):
@@ -95,6 +97,16 @@ class Timings(WireStruct, frozen=True):
     ttft_ms: float = 0.0  # arrival → first token
     tpot_ms: float = 0.0  # (e2e − ttft) / (completion_tokens − 1)
     e2e_ms: float = 0.0  # arrival → done
+
+
+class Constraint(WireStruct, frozen=True):
+    """Constrain a turn's output with a grammar; the server answers ``invalid_request`` when it cannot
+    compile one.  ``json_schema``: a JSON schema's text (``{"type": "object"}`` for any object);
+    ``tool_choice``: ``required`` (a call of one of the session's tools) or the name of one tool."""
+
+    json_schema: str = ""
+    tool_choice: str = ""
+    parallel_tool_calls: bool = True
 
 
 # ---- client → server ------------------------------------------------------------------------
@@ -127,6 +139,7 @@ class Turn(WireStruct, tag="turn"):
     seed: int | None = None
     stop: list[str] = []
     ignore_eos: bool = False
+    constraint: Constraint | None = None
 
     def sampling_params(self, stop_token_ids: list[int] | None = None) -> SamplingParams:
         """The ring's sampling parameters for this turn (not yet validated)."""

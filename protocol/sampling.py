@@ -28,6 +28,8 @@ class SamplingParams(WireStruct, frozen=True):
     max_tokens: int = 16
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    grammar: str = ""  # llguidance grammar constraining the output ("" = none); masks applied where sampled
+    grammar_prefix: list[int] = []  # output tokens the grammar has already seen (a recomputed sequence)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""

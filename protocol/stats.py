@@ -124,6 +124,7 @@ class Snapshot(_S):
     turns_done: int = 0
     tokens_out: int = 0
     tokens_per_s: float = 0.0
+    restarting: bool = False  # the executor is being restarted after a crash (turns are refused)
 
 
 class SnapshotError(ValueError):

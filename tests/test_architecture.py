@@ -4,7 +4,9 @@
 - ``shm/`` (transport) imports only the contracts;
 - ``client/`` imports only the contracts;
 - ``orchestrator/`` never imports torch or the executor;
-- ``executor/`` never imports the orchestrator.
+- ``executor/`` never imports the orchestrator;
+- ``gateway/`` (the HTTP front, an SDK client) imports only itself, the client, the contracts and the
+  torch-free text tools of the orchestrator.
 
 And at run time: importing the orchestrator side (and ``agentserve up``) never loads torch.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import agentserve.gateway
 import agentserve.orchestrator
 import agentserve.protocol
 import agentserve.shm
@@ -32,6 +35,10 @@ RULES: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...]]] = {
     "client": (("agentserve.client", "agentserve.protocol"), ("torch",)),
     "orchestrator": (None, ("torch", "agentserve.executor")),
     "executor": (None, ("agentserve.orchestrator",)),
+    "gateway": (
+        ("agentserve.gateway", "agentserve.client", "agentserve.protocol", "agentserve.orchestrator.text"),
+        ("torch",),
+    ),
 }
 
 
@@ -83,11 +90,13 @@ def test_the_rule_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     assert modules == ["agentserve.shm.ring", "agentserve.orchestrator"]
 
 
-def test_orchestrator_shm_client_and_up_never_import_torch() -> None:
+def test_orchestrator_shm_client_gateway_and_up_never_import_torch() -> None:
     modules = [
         *(m.name for m in pkgutil.walk_packages(agentserve.orchestrator.__path__, "agentserve.orchestrator.")),
         *(m.name for m in pkgutil.walk_packages(agentserve.shm.__path__, "agentserve.shm.")),
         *(m.name for m in pkgutil.walk_packages(agentserve.protocol.__path__, "agentserve.protocol.")),
+        *(m.name for m in pkgutil.walk_packages(agentserve.gateway.__path__, "agentserve.gateway.")
+          if m.name != "agentserve.gateway.__main__"),
         "agentserve.client",
         "agentserve.cli.up",
     ]

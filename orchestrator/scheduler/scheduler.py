@@ -366,7 +366,8 @@ class Scheduler:
     def sampling_for(self, req: Request) -> SamplingParams:
         if req.num_output == 0:
             return req.sampling
-        return msgspec.structs.replace(req.sampling, max_tokens=max(1, req.remaining_tokens))
+        seen = req.tokens[req.num_prompt:] if req.sampling.grammar else []  # the grammar resumes after them
+        return msgspec.structs.replace(req.sampling, max_tokens=max(1, req.remaining_tokens), grammar_prefix=seen)
 
     # ---------------------------------------------------------------- internals
     def _plan_lanes(self, now: float) -> tuple[list[Plan | Release], bool]:

@@ -7,6 +7,7 @@ Reads ``tokenizer.json`` (the ``tokenizers`` library does the work), ``tokenizer
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from agentserve.orchestrator.text import chat_template
 from agentserve.orchestrator.text.detokenizer import IncrementalDetokenizer
 from agentserve.orchestrator.text.stop_strings import StopMatch, StopStringMatcher, find_stop
+from agentserve.orchestrator.text.tool_formats import ToolCallFormat, format_for_template
 
 __all__ = [
     "IncrementalDetokenizer",
@@ -88,6 +90,7 @@ class Tokenizer:
         eos_token_ids: list[int],
     ) -> None:
         self._tok = tokenizer
+        self.folder: Path | None = None  # the checkpoint folder (from_dir)
         self.special_tokens = special_tokens
         self.chat_templates = chat_templates
         self.eos_token_ids = eos_token_ids
@@ -110,7 +113,9 @@ class Tokenizer:
             if (t := _token_text(config.get(n, legacy.get(n)))) is not None
         }
         eos_ids = cls._eos_ids(folder, tok, special.get("eos_token"))
-        return cls(tok, special, _chat_templates(folder, config), eos_ids)
+        made = cls(tok, special, _chat_templates(folder, config), eos_ids)
+        made.folder = folder
+        return made
 
     @staticmethod
     def _eos_ids(folder: Path, tok: _HFTokenizer, eos_token: str | None) -> list[int]:
@@ -128,6 +133,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of tokens the tokenizer knows (the model's vocab may be padded beyond it)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def tool_call_format(self) -> ToolCallFormat:
+        """How this checkpoint's chat template teaches the model to write tool calls."""
+        source = self.chat_templates.get("tool_use") or self.chat_templates.get("default") or ""
+        return format_for_template(source)
 
     @property
     def eos_token(self) -> str | None:

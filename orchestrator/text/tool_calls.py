@@ -31,7 +31,7 @@ class ParsedToolCalls:
     errors: list[str] = field(default_factory=list)
 
 
-def _parse_call(body: str) -> ToolCall | str:
+def parse_call_body(body: str) -> ToolCall | str:
     """One block's JSON → a :class:`ToolCall`, or an error message."""
     try:
         obj = json.loads(body)
@@ -61,7 +61,7 @@ def parse_tool_calls(text: str) -> ParsedToolCalls:
     for m in _BLOCK.finditer(text):
         kept.append(text[pos:m.start()])
         pos = m.end()
-        call = _parse_call(m.group(1).strip())
+        call = parse_call_body(m.group(1).strip())
         if isinstance(call, ToolCall):
             result.calls.append(call)
         else:

@@ -1,0 +1,5 @@
+import sys
+
+from agentserve.gateway.process import main
+
+sys.exit(main())

@@ -1,0 +1,149 @@
+"""The gateway's side of the orchestrator: one SDK connection, what the server said about itself, the
+tokenizer of its checkpoint (torch-free), and the conversation map's sessions.
+
+The connection is made in the background (the orchestrator may still be loading its model when the
+gateway starts); until it stands, every endpoint but ``/health`` and ``/metrics`` answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentserve.client import AgentServeError, AsyncAgentClient, AsyncSession
+from agentserve.gateway.conversations import ConversationMap
+from agentserve.gateway.errors import APIError, not_found, unavailable
+from agentserve.gateway.metrics import Metrics
+from agentserve.gateway.token_conversations import TokenConversationMap
+from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.protocol.client_messages import Welcome
+from agentserve.protocol.stats import Snapshot, decode_snapshot
+
+log = logging.getLogger("agentserve.gateway")
+
+
+@dataclass
+class GatewayOptions:
+    endpoint: str
+    served_model_name: str = ""  # the name clients send as `model` (default: the checkpoint's folder)
+    api_key: str = ""
+    max_body_bytes: int = 8 * 2**20
+    max_messages: int = 4096
+    max_stop: int = 16
+    max_n: int = 16
+    conversation_capacity: int = 4096
+    conversation_idle_s: float = 600.0
+    metrics_compat: tuple[str, ...] = ()  # "vllm": also emit every vLLM metric under `vllm:`
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend:
+    def __init__(self, options: GatewayOptions) -> None:
+        self.options = options
+        self.client: AsyncAgentClient | None = None
+        self.welcome: Welcome | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.metrics: Metrics | None = None
+        self.conversations = ConversationMap(options.conversation_capacity, options.conversation_idle_s,
+                                             on_evict=self.close_later)
+        self.token_conversations = TokenConversationMap(options.conversation_capacity, on_evict=self.close_later)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._connector: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._connector = asyncio.create_task(self._connect())
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def _sweep(self, every_s: float = 5.0) -> None:
+        """Close the sessions of conversations nobody continued within ``conversation_idle_s``."""
+        while True:
+            await asyncio.sleep(every_s)
+            self.conversations.sweep()
+
+    async def _connect(self) -> None:
+        while True:
+            client = AsyncAgentClient(self.options.endpoint, timeout=5.0, name="agentserve-gateway")
+            try:
+                await client.connect()
+            except AgentServeError as e:
+                log.info("waiting for the orchestrator at %s: %s", self.options.endpoint, e)
+                await asyncio.sleep(0.5)
+                continue
+            welcome = client.server
+            assert welcome is not None
+            self.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, welcome.model)
+            self.welcome = welcome
+            self.metrics = Metrics(self.model_name, welcome.max_model_len, self.options.metrics_compat)
+            self.client = client
+            log.info("connected to the orchestrator at %s (model %s)", self.options.endpoint, welcome.model)
+            return
+
+    async def stop(self) -> None:
+        for task in (self._connector, self._sweeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.client is not None:
+            for session in [*self.conversations.drain(), *self.token_conversations.drain()]:
+                self.close_later(session)
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=2.0)
+            await self.client.close()
+            self.client = None
+
+    @property
+    def ready(self) -> bool:
+        return self.client is not None
+
+    def require(self) -> tuple[AsyncAgentClient, Welcome, Tokenizer]:
+        if self.client is None or self.welcome is None or self.tokenizer is None:
+            raise unavailable("the gateway is still connecting to the orchestrator; retry shortly")
+        return self.client, self.welcome, self.tokenizer
+
+    # ---- what requests need ------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        if self.options.served_model_name:
+            return self.options.served_model_name
+        return self.welcome.model.rstrip("/").rsplit("/", 1)[-1] if self.welcome else ""
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the tokenizer knows (the model's own vocabulary may be padded beyond it)."""
+        return self.tokenizer.vocab_size if self.tokenizer is not None else 0
+
+    def check_model(self, model: str | None) -> None:
+        """``model`` may be omitted, the served name, or the checkpoint path; anything else is a 404."""
+        if model is None or model == self.model_name or (self.welcome and model == self.welcome.model):
+            return
+        raise not_found(f"the model `{model}` does not exist (this server serves `{self.model_name}`)",
+                        param="model")
+
+    async def stats(self, timeout: float = 2.0) -> Snapshot:
+        client, _, _ = self.require()
+        data = await asyncio.wait_for(client.stats(), timeout)
+        return decode_snapshot(data)
+
+    async def open_session(self, system: str, tools: list[dict[str, Any]] | None, name: str = "http"
+                           ) -> AsyncSession:
+        client, _, _ = self.require()
+        return await client.session(system=system, tools=tools or None, name=name)
+
+    def close_later(self, session: AsyncSession) -> None:
+        """Close ``session`` in the background (frees its KV); errors are only logged."""
+        task = asyncio.get_running_loop().create_task(self._close(session))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _close(session: AsyncSession) -> None:
+        try:
+            await session.close()
+        except (AgentServeError, APIError) as e:
+            log.debug("closing session %d: %s", session.id, e)

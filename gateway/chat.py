@@ -1,0 +1,160 @@
+"""``POST /v1/chat/completions``: streamed (server-sent events) and whole answers.
+
+Stream shape (as OpenAI and vLLM): one ``id`` for every chunk; first a chunk per choice with the role;
+content and tool-call deltas (by ``index``: first the id, type and name, then argument fragments);
+exactly one chunk per choice with its ``finish_reason``; with ``stream_options.include_usage`` every
+chunk has ``"usage": null`` and a last chunk has ``choices: []`` and the usage; then ``data: [DONE]``.
+A client that disconnects mid-stream aborts its turns at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from agentserve.gateway import sse
+from agentserve.gateway.backend import Backend
+from agentserve.gateway.body import read_body
+from agentserve.gateway.chat_plan import ChatPlan, plan_chat
+from agentserve.gateway.choice import ChoiceRun
+from agentserve.gateway.errors import APIError
+from agentserve.gateway.reply_stream import ContentDelta, Delta
+from agentserve.gateway.schemas import ChatCompletionRequest, decode_body
+from agentserve.gateway.usage import usage_object
+
+
+async def chat_completions(request: Request) -> Response:
+    backend: Backend = request.app.state.backend
+    req = decode_body(await read_body(request, backend.options.max_body_bytes), ChatCompletionRequest)
+    plan = plan_chat(req, backend)
+    runs = await start_choices(backend, plan)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": plan.model}
+    if plan.stream:
+        return StreamingResponse(stream(runs, plan, head), media_type="text/event-stream", headers=sse.HEADERS)
+    return JSONResponse(await unless_disconnected(request, whole(runs, head), runs))
+
+
+async def unless_disconnected(request: Request, answer: Any, runs: list[ChoiceRun]) -> Any:
+    """Await ``answer``; if the client disconnects first, abort the turns at once (a 499, never read)."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(answer), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    for run in runs:
+        run.abandon()
+    raise APIError(499, "the client closed the connection", type="client_closed_request")
+
+
+async def start_choices(backend: Backend, plan: ChatPlan) -> list[ChoiceRun]:
+    runs = [ChoiceRun(backend, plan, i) for i in range(plan.n)]
+    results = await asyncio.gather(*(r.start() for r in runs), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for run in runs:
+            run.abandon()
+        raise failed[0]
+    return runs
+
+
+async def whole(runs: list[ChoiceRun], head: dict[str, Any]) -> dict[str, Any]:
+    async def drain(run: ChoiceRun) -> None:
+        async for _ in run.deltas():
+            pass
+
+    try:
+        await asyncio.gather(*(drain(r) for r in runs))
+    except BaseException:
+        for run in runs:
+            run.abandon()
+        raise
+    choices = [{"index": r.index, "message": r.message(), "logprobs": None, "finish_reason": r.finish_reason}
+               for r in runs]
+    usage = usage_object([r.done.usage for r in runs if r.done is not None])
+    return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
+
+
+def delta_object(delta: Delta) -> dict[str, Any]:
+    if isinstance(delta, ContentDelta):
+        return {"content": delta.text}
+    call: dict[str, Any] = {"index": delta.index}
+    if delta.id is not None:
+        call |= {"id": delta.id, "type": "function", "function": {"name": delta.name, "arguments": delta.arguments}}
+    else:
+        call["function"] = {"arguments": delta.arguments}
+    return {"tool_calls": [call]}
+
+
+async def merged(runs: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, Delta | None]]:
+    """Every choice's deltas as they come; ``(run, None)`` once a choice is done."""
+    if len(runs) == 1:
+        async for delta in runs[0].deltas():
+            yield runs[0], delta
+        yield runs[0], None
+        return
+    queue: asyncio.Queue[tuple[ChoiceRun, Delta | None] | BaseException] = asyncio.Queue()
+
+    async def pump(run: ChoiceRun) -> None:
+        try:
+            async for delta in run.deltas():
+                queue.put_nowait((run, delta))
+            queue.put_nowait((run, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(r)) for r in runs]
+    try:
+        for _ in range(len(runs)):
+            while (item := await queue.get()) and not isinstance(item, BaseException) and item[1] is not None:
+                yield item
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+async def stream(runs: list[ChoiceRun], plan: ChatPlan, head: dict[str, Any]) -> AsyncIterator[bytes]:
+    head = {**head, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if plan.include_usage else {}
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return sse.event({**head, "choices": [choice], **extra})
+
+    metrics = runs[0].backend.metrics
+    if metrics is not None:
+        metrics.open_streams.inc()
+    try:
+        for run in runs:
+            yield chunk(run.index, {"role": "assistant", "content": ""})
+        async for run, delta in merged(runs):
+            yield chunk(run.index, {}, run.finish_reason) if delta is None else chunk(run.index, delta_object(delta))
+        if plan.include_usage:
+            usage = usage_object([r.done.usage for r in runs if r.done is not None])
+            yield sse.event({**head, "choices": [], "usage": usage})
+    except APIError as e:
+        yield sse.event(e.body())
+    finally:
+        if metrics is not None:
+            metrics.open_streams.inc(-1)
+        for run in runs:
+            run.abandon()  # a choice still running here lost its client: abort it now
+    yield sse.DONE

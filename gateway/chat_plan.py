@@ -1,0 +1,138 @@
+"""A chat-completions request, checked and translated into what the orchestrator runs.
+
+Everything checkable here is checked here (400 with the field named); what only the orchestrator
+can judge (sampling ranges, the prompt's length, the schema's grammar) comes back as a typed error
+that :mod:`agentserve.gateway.errors` maps to a 400 as well.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from agentserve.gateway.backend import Backend, GatewayOptions
+from agentserve.gateway.conversations import chain
+from agentserve.gateway.errors import bad_request
+from agentserve.gateway.messages import Canonical, Translated, translate
+from agentserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
+from agentserve.orchestrator.text.tool_formats import ToolCallFormat
+from agentserve.protocol.client_messages import Constraint, Message
+
+
+@dataclass
+class ChatPlan:
+    model: str
+    translated: Translated
+    tools: list[dict[str, Any]]
+    tool_format: ToolCallFormat | None  # None: the reply is not scanned for tool calls
+    options: dict[str, Any]  # Session.turn keyword options (sampling, stop, max_tokens)
+    n: int
+    stream: bool
+    include_usage: bool
+    seed_digest: bytes  # what else a continuation must match: the model and the tools
+
+    def digests(self, extra: list[Canonical] | None = None) -> list[bytes]:
+        return chain(self.seed_digest, [*self.translated.canonical, *(extra or [])])
+
+    def messages_after(self, k: int) -> list[Message]:
+        """The messages after the first ``k`` (which a filed session already holds)."""
+        return self.translated.messages[k - (1 if self.translated.system else 0):]
+
+    def choice_options(self, index: int) -> dict[str, Any]:
+        """Choice ``index``'s options: with ``n > 1`` and a seed, each choice draws from seed + index."""
+        seed = self.options.get("seed")
+        return self.options | ({"seed": seed + index} if seed is not None and index else {})
+
+
+def sampling_options(req: SamplingFields, max_tokens: int | None, opts: GatewayOptions,
+                     max_model_len: int) -> dict[str, Any]:
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > opts.max_stop:
+        raise bad_request(f"at most {opts.max_stop} stop sequences", param="stop")
+    if any(not s for s in stops):
+        raise bad_request("stop sequences must not be empty", param="stop")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request("max_tokens must be at least 1", param="max_tokens")
+    if not 1 <= req.n <= opts.max_n:
+        raise bad_request(f"n must be between 1 and {opts.max_n}", param="n")
+    out: dict[str, Any] = {"max_tokens": min(max_tokens or max_model_len, max_model_len), "stop": stops,
+                           "ignore_eos": req.ignore_eos,
+                           "temperature": 1.0 if req.temperature is None else req.temperature}
+    for key in ("top_p", "top_k", "min_p", "seed"):
+        if getattr(req, key) is not None:
+            out[key] = getattr(req, key)
+    if req.top_k is not None and req.top_k < 0:  # OpenAI-style "-1: off"
+        out["top_k"] = 0
+    return out
+
+
+def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    tools = []
+    for t in req.tools or []:
+        fn: dict[str, Any] = {"name": t.function.name}
+        if t.function.description is not None:
+            fn["description"] = t.function.description
+        fn["parameters"] = t.function.parameters or {"type": "object", "properties": {}}
+        tools.append({"type": "function", "function": fn})
+    return tools
+
+
+def _check_tool_choice(req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> None:
+    choice = req.tool_choice
+    if choice in (None, "none", "auto"):
+        return
+    if not tools:
+        raise bad_request("tool_choice requires tools", param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        names = [t["function"]["name"] for t in tools]
+        if choice.function.name not in names:
+            raise bad_request(f"tool_choice names `{choice.function.name}`, which is not among the tools {names}",
+                              param="tool_choice")
+
+
+def constraint(req: ChatCompletionRequest) -> Constraint | None:
+    """The grammar a request asks for: ``response_format`` json_object / json_schema, or a forced tool call
+    (``tool_choice`` required or named).  The orchestrator compiles it (a 400 if it cannot)."""
+    fmt = req.response_format
+    schema = ""
+    if fmt is not None and fmt.type == "json_object":
+        schema = '{"type": "object"}'
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise bad_request("response_format json_schema needs `json_schema`", param="response_format")
+        schema = json.dumps(fmt.json_schema.schema or {"type": "object"})
+    choice = req.tool_choice
+    forced = choice.function.name if isinstance(choice, NamedToolChoice) else choice if choice == "required" else ""
+    if schema and forced:
+        raise bad_request("response_format and a forced tool_choice cannot be combined", param="tool_choice")
+    if not schema and not forced:
+        return None
+    parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
+    return Constraint(json_schema=schema, tool_choice=forced, parallel_tool_calls=parallel)
+
+
+def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
+    _, welcome, tokenizer = backend.require()
+    backend.check_model(req.model)
+    opts = backend.options
+    if len(req.messages) > opts.max_messages:
+        raise bad_request(f"at most {opts.max_messages} messages", param="messages")
+    if req.logprobs or req.top_logprobs:
+        raise bad_request("logprobs are not supported by this server", param="logprobs")
+    translated = translate(req.messages)
+    tools = _tools(req)
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tool names must be unique", param="tools")
+    _check_tool_choice(req, tools)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    options = sampling_options(req, max_tokens, opts, welcome.max_model_len)
+    options["constraint"] = constraint(req)
+    scan = bool(tools) and req.tool_choice != "none"
+    seed = json.dumps([backend.model_name, tools], sort_keys=True).encode()
+    return ChatPlan(
+        model=backend.model_name, translated=translated, tools=tools,
+        tool_format=tokenizer.tool_call_format if scan else None, options=options, n=req.n, stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage), seed_digest=seed,
+    )

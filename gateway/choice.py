@@ -1,0 +1,152 @@
+"""One choice of a chat completion: a turn on an orchestrator session, its output as OpenAI deltas.
+
+The session is the one the conversation map holds for this conversation (only the new messages are
+sent: a resume) or a new one (the whole conversation: a cold prefill).  After a complete turn the
+session is filed under the conversation including this reply; a failed or abandoned turn closes it,
+which frees its KV at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from agentserve.client import AgentServeError, Done, TextDelta, TokenIds, UnknownSession
+from agentserve.gateway.backend import Backend
+from agentserve.gateway.chat_plan import ChatPlan
+from agentserve.gateway.errors import from_client_error
+from agentserve.gateway.messages import Canonical, canonical_args
+from agentserve.gateway.reply_stream import Delta, ReplyStreamer
+from agentserve.protocol.client_messages import FinishReason
+
+
+class ChoiceRun:
+    def __init__(self, backend: Backend, plan: ChatPlan, index: int) -> None:
+        self.backend = backend
+        self.plan = plan
+        self.index = index
+        self.streamer = ReplyStreamer(plan.tool_format)
+        self.session: Any = None
+        self.resumed = False
+        self.done: Done | None = None
+        self.tokens = 0
+        self.t_arrival = time.monotonic()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self._t_server: float | None = None
+        self.gaps: list[float] = []  # seconds between consecutive tokens (the orchestrator's clock)
+        self._events: AsyncIterator[Any] | None = None
+        self._first: Any = None
+
+    async def start(self) -> None:
+        """Send the turn and wait for its first event, so a refused turn is an HTTP error, not a stream."""
+        taken = self.backend.conversations.take(self.plan.digests()) if self.index == 0 else None
+        if taken is not None:
+            try:
+                await self._send(taken[0], self.plan.messages_after(taken[1]))
+                self.resumed = True
+                return
+            except UnknownSession:
+                pass  # the orchestrator dropped it: start over with the whole conversation
+        t = self.plan.translated
+        await self._send(await self._open(t.system), t.messages)
+
+    async def _open(self, system: str) -> Any:
+        try:
+            return await self.backend.open_session(system, self.plan.tools)
+        except AgentServeError as e:
+            raise from_client_error(e) from None
+
+    async def _send(self, session: Any, messages: list[Any]) -> None:
+        self.session = session
+        self._events = session.turn(messages, **self.plan.choice_options(self.index)).__aiter__()
+        try:
+            self._first = await self._events.__anext__()
+        except UnknownSession:
+            raise
+        except AgentServeError as e:
+            self.backend.close_later(session)
+            self.session = None
+            raise from_client_error(e) from None
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The reply's deltas until the turn is done; raises APIError if the turn fails on the way."""
+        assert self._events is not None
+        event, self._first = self._first, None
+        try:
+            while True:
+                for delta in self._on(event):
+                    yield delta
+                if self.done is not None:
+                    break
+                event = await self._events.__anext__()
+        except AgentServeError as e:
+            self.abandon()
+            raise from_client_error(e) from None
+        for delta in self.streamer.finish():
+            yield delta
+        self._observe()
+        self._file()
+
+    def _observe(self) -> None:
+        metrics = self.backend.metrics
+        if metrics is None or self.done is None:
+            return
+        ttft = self.t_first - self.t_arrival if self.t_first is not None else None
+        reason = "abort" if self.done.finish == FinishReason.ABORT else self.finish_reason
+        metrics.on_turn(self.done, ttft, self.gaps, time.monotonic() - self.t_arrival, self.resumed, reason)
+
+    def _on(self, event: Any) -> list[Delta]:
+        if isinstance(event, TokenIds):
+            now = time.monotonic()
+            self.t_first = self.t_first or now
+            self.t_last = now
+            self.tokens += len(event.token_ids)
+            if self._t_server is not None and event.token_ids:
+                self.gaps.append(event.t_server - self._t_server)
+            self._t_server = event.t_server if event.token_ids else self._t_server
+        elif isinstance(event, TextDelta):
+            return self.streamer.feed(event.text)
+        elif isinstance(event, Done):
+            self.done = event
+        return []
+
+    @property
+    def finish_reason(self) -> str:
+        finish = self.done.finish if self.done else FinishReason.ABORT
+        if finish == FinishReason.LENGTH:
+            return "length"
+        return "tool_calls" if self.streamer.calls else "stop"
+
+    def reply(self) -> Canonical:
+        """The assistant message as a client sends it back next turn."""
+        calls = tuple((c.id, c.name, canonical_args(c.arguments)) for c in self.streamer.calls)
+        return Canonical("assistant", self.streamer.content, tool_calls=calls)
+
+    def _file(self) -> None:
+        session, self.session = self.session, None
+        if session is None:
+            return
+        if self.done is None or self.done.finish == FinishReason.ABORT:
+            self.backend.close_later(session)
+            return
+        self.backend.conversations.file(self.plan.digests([self.reply()])[-1], session)
+
+    def abandon(self) -> None:
+        """The client went away or the turn failed: close the session (aborts a running turn, frees KV)."""
+        session, self.session = self.session, None
+        if session is not None:
+            self.backend.close_later(session)
+            if self.backend.metrics is not None:
+                self.backend.metrics.success.labels(finished_reason="abort").inc()
+
+    def message(self) -> dict[str, Any]:
+        """The non-streamed ``message`` of this choice."""
+        out: dict[str, Any] = {"role": "assistant", "content": self.streamer.content_or_none}
+        if self.streamer.calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.streamer.calls
+            ]
+        return out

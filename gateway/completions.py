@@ -1,0 +1,165 @@
+"""``POST /v1/completions``: a prompt as a string or as token ids, run as a raw-token turn (no chat
+template).  A prompt that extends a finished completion's prompt and output continues its session
+(benchmarks and stateless agents resend the whole history), so only the new tokens are prefilled.
+``return_token_ids`` (vLLM's extension) adds each chunk's token ids.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from agentserve.client import AgentServeError, Done, TextDelta, TokenIds
+from agentserve.gateway import sse
+from agentserve.gateway.backend import Backend
+from agentserve.gateway.body import read_body
+from agentserve.gateway.chat import unless_disconnected
+from agentserve.gateway.chat_plan import sampling_options
+from agentserve.gateway.errors import APIError, bad_request, from_client_error
+from agentserve.gateway.schemas import CompletionRequest, decode_body
+from agentserve.gateway.usage import usage_object
+from agentserve.protocol.client_messages import FinishReason
+
+
+class ExtraFields(CompletionRequest, kw_only=True):
+    return_token_ids: bool = False
+
+
+def prompt_ids(req: CompletionRequest, backend: Backend) -> list[int]:
+    """The prompt's token ids (the orchestrator checks them against the model's vocabulary)."""
+    _, _, tokenizer = backend.require()
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+    elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    elif len(prompt) == 1 and isinstance(prompt[0], str):
+        ids = tokenizer.encode(prompt[0], add_special_tokens=True)
+    else:
+        raise bad_request("prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+    if not ids:
+        raise bad_request("the prompt is empty", param="prompt")
+    if any(t < 0 for t in ids):
+        raise bad_request("token ids must be >= 0", param="prompt")
+    return ids
+
+
+class CompletionRun:
+    """One raw-token turn; its session is filed under prompt + output when it completes."""
+
+    def __init__(self, backend: Backend, prompt: list[int], options: dict[str, Any]) -> None:
+        self.backend, self.prompt, self.options = backend, prompt, options
+        self.session: Any = None
+        self.done: Done | None = None
+        self.output: list[int] = []
+        self.text = ""
+        self._events: Any = None
+        self._first: Any = None
+
+    async def start(self) -> None:
+        client, _, _ = self.backend.require()
+        taken = self.backend.token_conversations.take(self.prompt)
+        if taken is not None:
+            self.session, held = taken
+            new = self.prompt[held:]
+        else:
+            try:
+                self.session = await client.session(name="http-completions", parse_tool_calls=False)
+            except AgentServeError as e:
+                raise from_client_error(e) from None
+            new = self.prompt
+        self._events = self.session.turn(token_ids=new, **self.options).__aiter__()
+        try:
+            self._first = await self._events.__anext__()
+        except AgentServeError as e:
+            self.abandon()
+            raise from_client_error(e) from None
+
+    async def events(self) -> AsyncIterator[Any]:
+        event, self._first = self._first, None
+        try:
+            while True:
+                if isinstance(event, TokenIds):
+                    self.output += event.token_ids
+                elif isinstance(event, TextDelta):
+                    self.text += event.text
+                elif isinstance(event, Done):
+                    self.done = event
+                yield event
+                if self.done is not None:
+                    break
+                event = await self._events.__anext__()
+        except AgentServeError as e:
+            self.abandon()
+            raise from_client_error(e) from None
+        session, self.session = self.session, None
+        if self.done.finish == FinishReason.ABORT:
+            self.backend.close_later(session)
+        else:
+            self.backend.token_conversations.file(self.prompt + self.output, session)
+
+    def abandon(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            self.backend.close_later(session)
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.done is not None and self.done.finish == FinishReason.LENGTH else "stop"
+
+
+async def completions(request: Request) -> Response:
+    backend: Backend = request.app.state.backend
+    req = decode_body(await read_body(request, backend.options.max_body_bytes), ExtraFields)
+    _, welcome, _ = backend.require()
+    backend.check_model(req.model)
+    if req.n != 1 or req.echo or req.logprobs:
+        raise bad_request("this server supports n=1, no echo and no logprobs on /v1/completions")
+    options = sampling_options(req, req.max_tokens or 16, backend.options, welcome.max_model_len)
+    run = CompletionRun(backend, prompt_ids(req, backend), options)
+    await run.start()
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": backend.model_name}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(stream(run, head, req.return_token_ids, include_usage),
+                                 media_type="text/event-stream", headers=sse.HEADERS)
+    return JSONResponse(await unless_disconnected(request, whole(run, head, req.return_token_ids), [run]))
+
+
+async def whole(run: CompletionRun, head: dict[str, Any], with_ids: bool) -> dict[str, Any]:
+    async for _ in run.events():
+        pass
+    choice = {"index": 0, "text": run.text, "logprobs": None, "finish_reason": run.finish_reason}
+    if with_ids:
+        choice["token_ids"] = run.output
+    return {**head, "choices": [choice], "usage": usage_object([run.done.usage])}
+
+
+async def stream(run: CompletionRun, head: dict[str, Any], with_ids: bool, include_usage: bool
+                 ) -> AsyncIterator[bytes]:
+    def chunk(text: str, ids: list[int] | None, finish: str | None = None) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if with_ids:
+            choice["token_ids"] = ids or []
+        return sse.event({**head, "choices": [choice]})
+
+    try:
+        async for event in run.events():
+            if isinstance(event, TokenIds) and with_ids and event.token_ids:
+                yield chunk("", event.token_ids)
+            elif isinstance(event, TextDelta) and event.text:
+                yield chunk(event.text, None)
+        yield chunk("", None, run.finish_reason)
+        if include_usage:
+            yield sse.event({**head, "choices": [], "usage": usage_object([run.done.usage])})
+    except APIError as e:
+        yield sse.event(e.body())
+    finally:
+        run.abandon()
+    yield sse.DONE

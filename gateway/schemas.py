@@ -1,0 +1,142 @@
+"""The request bodies of the OpenAI API as msgspec structs: decoding is validation.
+
+Unknown fields are accepted and ignored (``user``, ``metadata``, ``store``, ``prompt_cache_key``,
+``reasoning_effort``, ...), as OpenAI-compatible servers do.  A body that does not decode into these
+types is a 400 naming the field (:func:`decode_body`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from agentserve.gateway.errors import bad_request
+
+
+class _Body(msgspec.Struct, kw_only=True):
+    pass
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallIn(_Body):
+    function: FunctionCall
+    id: str = ""
+    type: str = "function"
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    schema: dict[str, Any] = {}
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingFields(_Body, kw_only=True):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    logprobs: bool | int | None = None
+    ignore_eos: bool = False
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: str | list[Any]  # a string, token ids, or a batch of either (checked by the handler)
+    echo: bool = False
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
+    model: str | None = None
+
+
+B = TypeVar("B", bound=_Body)
+
+
+def decode_body(data: bytes, kind: type[B]) -> B:
+    """``data`` (a JSON body) as ``kind``; a 400 naming the bad field otherwise."""
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except msgspec.ValidationError as e:
+        param = _param_of(str(e))
+        raise bad_request(f"invalid request: {e}", param=param) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def _param_of(message: str) -> str | None:
+    """``... - at `$.messages[0].role``` → ``messages[0].role``."""
+    marker = "at `$."
+    if marker not in message:
+        return None
+    return message.split(marker, 1)[1].rstrip("`")

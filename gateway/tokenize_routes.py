@@ -1,0 +1,53 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), with the checkpoint's own tokenizer."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from agentserve.gateway.backend import Backend
+from agentserve.gateway.body import read_body
+from agentserve.gateway.errors import bad_request
+from agentserve.gateway.messages import translate
+from agentserve.gateway.schemas import DetokenizeRequest, TokenizeRequest, decode_body
+from agentserve.orchestrator.text.chat_template import ChatTemplateError
+from agentserve.protocol.client_messages import Message
+
+
+def _as_dict(m: Message) -> dict:
+    out = {"role": m.role, "content": m.content}
+    for key in ("tool_call_id", "name", "tool_calls"):
+        if getattr(m, key):
+            out[key] = getattr(m, key)
+    return out
+
+
+async def tokenize(request: Request) -> Response:
+    backend: Backend = request.app.state.backend
+    req = decode_body(await read_body(request, backend.options.max_body_bytes), TokenizeRequest)
+    _, welcome, tokenizer = backend.require()
+    backend.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give `prompt` or `messages`")
+    if req.prompt is not None:
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        t = translate(req.messages or [])
+        head = [Message("system", t.system)] if t.system else []
+        try:
+            text = tokenizer.apply_chat_template([_as_dict(m) for m in head + t.messages], None,
+                                                 req.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise bad_request(f"cannot render the conversation: {e}", param="messages") from None
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    return JSONResponse({"count": len(ids), "max_model_len": welcome.max_model_len, "tokens": ids})
+
+
+async def detokenize(request: Request) -> Response:
+    backend: Backend = request.app.state.backend
+    req = decode_body(await read_body(request, backend.options.max_body_bytes), DetokenizeRequest)
+    _, _, tokenizer = backend.require()
+    backend.check_model(req.model)
+    if any(t < 0 or t >= backend.vocab_size for t in req.tokens):
+        raise bad_request(f"token ids must be in [0, {backend.vocab_size})", param="tokens")
+    return JSONResponse({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})

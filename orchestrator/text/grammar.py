@@ -1,0 +1,95 @@
+"""Grammars for constrained decoding (llguidance): JSON schemas and forced tool calls.
+
+The orchestrator builds and checks a grammar when a turn asks for one (an invalid or unsupported
+schema is the client's error, answered before anything runs); the executor builds a matcher from
+the same grammar text and masks the logits where each token is sampled.  Grammars are llguidance's
+own serialised form (``LLMatcher.grammar_from_*``); nothing here imports torch.
+
+JSON is generated compactly (no free whitespace): a model with random weights would otherwise spend
+its tokens on blanks.  A forced tool call is written in the checkpoint's tool-call format, its JSON
+constrained to ``{"name": <one of the tools>, "arguments": <that tool's parameters schema>}``.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import llguidance
+
+from agentserve.orchestrator.text.tool_formats import ToolCallFormat
+
+JSON_OPTIONS = {"whitespace_flexible": False}
+MAX_SCHEMA_BYTES = 64 * 1024
+
+
+class GrammarError(ValueError):
+    """A schema or tool choice that cannot be turned into a grammar (the client's error)."""
+
+
+@lru_cache(maxsize=4)
+def ll_tokenizer(tokenizer_json: str, vocab_size: int | None, eos_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """llguidance's view of a checkpoint's ``tokenizer.json`` (built once per process and model)."""
+    text = Path(tokenizer_json).read_text(encoding="utf-8")
+    return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
+
+
+def _schema_grammar(schema: dict[str, Any]) -> str:
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise GrammarError(f"the JSON schema cannot be compiled: {e}") from None
+
+
+def json_schema_grammar(schema_text: str) -> str:
+    if len(schema_text) > MAX_SCHEMA_BYTES:
+        raise GrammarError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes")
+    try:
+        schema = json.loads(schema_text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"the JSON schema is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be an object")
+    return _schema_grammar(schema)
+
+
+def call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+    fn = tool.get("function", tool)
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, arguments_key: params},
+            "required": ["name", arguments_key], "additionalProperties": False}
+
+
+def tool_call_grammar(fmt: ToolCallFormat, tools: list[dict[str, Any]], choice: str, parallel: bool,
+                      tags_are_tokens: bool = True) -> str:
+    """``choice``: ``required`` (any of ``tools``) or the name of one tool.  ``tags_are_tokens``: the
+    tokenizer has ``<tool_call>`` / ``</tool_call>`` as tokens of their own (the model writes those)."""
+    names = [t.get("function", t).get("name") for t in tools]
+    if choice != "required" and choice not in names:
+        raise GrammarError(f"tool_choice names `{choice}`, which is not among the session's tools {names}")
+    if not tools:
+        raise GrammarError("tool_choice needs tools")
+    key = "parameters" if fmt.name == "llama3_json" else "arguments"
+    chosen = [t for t, n in zip(tools, names, strict=True) if choice == "required" or n == choice]
+    schemas = [call_schema(t, key) for t in chosen]
+    body = json.dumps({**(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}), "x-guidance": JSON_OPTIONS})
+    if fmt.name == "llama3_json":
+        call, sep = "body", '"; "'
+    else:
+        opened, closed = ("<tool_call>", "</tool_call>") if tags_are_tokens else ('"<tool_call>"', '"</tool_call>"')
+        call, sep = f'{opened} "\\n" body "\\n" {closed}', '"\\n"'
+    repeat = f"({sep} {call})*" if parallel else ""
+    lark = f"start: {call} {repeat}\nbody: %json {body}\n"
+    try:
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise GrammarError(f"the tools' schemas cannot be compiled: {e}") from None
+
+
+def check(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:
+    """Raise :class:`GrammarError` if llguidance refuses ``grammar`` for this tokenizer."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if is_error:
+        raise GrammarError(f"the grammar is invalid: {'; '.join(messages)}")

@@ -1,0 +1,155 @@
+"""Constrained decoding through the OpenAI SDK and langchain: forced tool calls and JSON schemas give
+output that parses and validates even from a model with random weights (the grammar masks every step)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+SEARCH = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 12}}, "required": ["q"],
+          "additionalProperties": False}
+CALC = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 999},
+                                         "op": {"enum": ["add", "mul"]}},
+        "required": ["x", "op"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search.", "parameters": SEARCH}},
+         {"type": "function", "function": {"name": "calc", "description": "Compute.", "parameters": CALC,
+                                           "strict": True}}]
+SCHEMAS = {"search": SEARCH, "calc": CALC}
+ASK = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 6 * 7?"}]
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "pet": {"$ref": "#/$defs/pet"},
+                   "age": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 120}, {"type": "null"}]}},
+    "required": ["name", "pet", "age"], "additionalProperties": False,
+    "$defs": {"pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}, "required": ["kind"],
+                      "additionalProperties": False}},
+}
+
+
+def _valid_calls(calls) -> list[tuple[str, dict]]:
+    out = []
+    for call in calls:
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, SCHEMAS[call.function.name])
+        out.append((call.function.name, args))
+    return out
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "calc"}}])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_forced_tool_calls_parse_and_validate(openai_client, choice, seed) -> None:
+    r = openai_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                              parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=seed)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    calls = _valid_calls(msg.tool_calls)
+    assert len(calls) == 1 and all(c.id.startswith("call_") for c in msg.tool_calls)
+    if isinstance(choice, dict):
+        assert calls[0][0] == "calc"
+
+
+def test_streamed_tool_calls_arrive_as_deltas_by_index_and_match_the_whole_answer(openai_client) -> None:
+    kwargs = {"model": "tiny", "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 300,
+              "temperature": 1.0, "seed": 21}
+    whole = openai_client.chat.completions.create(**kwargs)
+    chunks = list(openai_client.chat.completions.create(stream=True, **kwargs))
+    calls: dict[int, dict] = {}
+    fragments = 0
+    for c in chunks:
+        for d in c.choices[0].delta.tool_calls or []:
+            if d.id is not None:
+                assert d.index not in calls and d.type == "function" and d.function.name
+                calls[d.index] = {"name": d.function.name, "arguments": d.function.arguments or ""}
+            else:
+                calls[d.index]["arguments"] += d.function.arguments
+                fragments += 1
+    assert fragments > 1, "arguments stream in fragments, not in one piece"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    expected = [{"name": t.function.name, "arguments": t.function.arguments}
+                for t in whole.choices[0].message.tool_calls]
+    assert list(calls.values()) == expected
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_with_defs_refs_and_anyof_validates(openai_client, stream) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    kwargs = {"model": "tiny", "messages": [{"role": "user", "content": "A person."}], "response_format": fmt,
+              "max_tokens": 200, "temperature": 1.0, "seed": 3}
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in openai_client.chat.completions.create(
+            stream=True, **kwargs))
+    else:
+        r = openai_client.chat.completions.create(**kwargs)
+        assert r.choices[0].finish_reason == "stop"
+        text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_sdk_parse_with_a_pydantic_model(openai_client) -> None:
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Answer(BaseModel):
+        verdict: Literal["yes", "no"]
+        confidence: int = Field(ge=0, le=9)
+
+    r = openai_client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "Sure?"}],
+                                             response_format=Answer, max_tokens=60, temperature=0)
+    assert isinstance(r.choices[0].message.parsed, Answer)
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_json_object_is_an_object(openai_client, seed) -> None:
+    r = openai_client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "JSON please"}], max_tokens=400, temperature=1.0,
+        seed=seed, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("schema", [{"type": "nonsense"}, {"$ref": "#/$defs/missing"}])
+def test_a_schema_that_cannot_compile_is_400(openai_client, schema) -> None:
+    with pytest.raises(openai.BadRequestError, match="schema|grammar"):
+        openai_client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": schema}})
+
+
+def test_a_tool_result_continues_the_session_as_a_resume(openai_client, http_server) -> None:
+    r1 = openai_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                               parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=8)
+    msg = r1.choices[0].message
+    before = http_server.snapshot()
+    assert any(row.state.value == "in_tool" for row in before.sessions), "the session waits in its tool call"
+    call = msg.tool_calls[0]
+    follow = [*ASK, msg.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    r2 = openai_client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS, max_tokens=4,
+                                               temperature=0)
+    after = http_server.snapshot()
+    assert len(after.sessions) == len(before.sessions), "the tool result went to the waiting session"
+    held = r1.usage.prompt_tokens + r1.usage.completion_tokens
+    assert r2.usage.prompt_tokens_details.cached_tokens >= held // 16 * 16
+
+
+def test_langchain_bind_tools_with_a_named_tool(http_server) -> None:
+    from langchain_core.messages import ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=http_server.base_url, api_key=http_server.api_key, model="tiny", temperature=1.0,
+                     seed=5, max_tokens=200, max_retries=0)
+    bound = llm.bind_tools(TOOLS, tool_choice="calc")
+    ai = bound.invoke("What is 6 * 7?")
+    (call,) = ai.tool_calls[:1]
+    assert call["name"] == "calc"
+    jsonschema.validate(call["args"], CALC)
+    streamed = None
+    for chunk in bound.stream("What is 6 * 7?"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed.tool_calls and streamed.tool_calls[0]["name"] == "calc"
+    jsonschema.validate(streamed.tool_calls[0]["args"], CALC)
+    reply = llm.invoke(["What is 6 * 7?", ai, ToolMessage("42", tool_call_id=call["id"])])
+    assert isinstance(reply.content, str)

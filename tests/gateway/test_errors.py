@@ -1,0 +1,72 @@
+"""Bad input is a 4xx with an OpenAI-shaped body (the SDKs retry 5xx), and the server keeps serving."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+OK = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+    return body
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"max_tokens": 3}, None),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": "hi"}, "messages"),
+        (OK | {"temperature": -1}, None),
+        (OK | {"top_p": 0}, None),
+        (OK | {"max_tokens": 0}, "max_tokens"),
+        (OK | {"n": 0}, "n"),
+        (OK | {"stop": [""]}, "stop"),
+        (OK | {"seed": -3}, None),
+        (OK | {"tool_choice": "required"}, "tool_choice"),
+        (OK | {"tool_choice": "sometimes"}, "tool_choice"),
+        (OK | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content[0]"),
+    ],
+)
+def test_invalid_fields_are_400(http, body, param) -> None:
+    err = _error(http.post("/v1/chat/completions", json=body), 400)
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_bad_json_too_long_prompt_unknown_model_and_route(http) -> None:
+    _error(http.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}), 400)
+    long = {"messages": [{"role": "user", "content": "word " * 6000}], "max_tokens": 2}
+    assert _error(http.post("/v1/chat/completions", json=long), 400)["code"] == "prompt_too_long"
+    assert _error(http.post("/v1/chat/completions", json=OK | {"model": "gpt-5"}), 404)["param"] == "model"
+    _error(http.get("/v1/no/such/route"), 404)
+
+
+def test_oversized_body_is_413(http) -> None:
+    big = b'{"messages": [{"role": "user", "content": "' + b"x" * (9 * 2**20) + b'"}]}'
+    _error(http.post("/v1/chat/completions", content=big, headers={"content-type": "application/json"}), 413)
+
+
+def test_missing_or_wrong_api_key_is_401_but_health_is_open(http_server) -> None:
+    import httpx
+
+    assert httpx.post(http_server.url + "/v1/chat/completions", json=OK).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    _error(httpx.post(http_server.url + "/v1/chat/completions", json=OK, headers=wrong), 401)
+    assert httpx.get(http_server.url + "/health").status_code == 200
+
+
+def test_sdk_sees_typed_errors_and_the_server_keeps_serving(openai_client) -> None:
+    with pytest.raises(openai.BadRequestError):
+        openai_client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.chat.completions.create(model="nope", messages=OK["messages"], max_tokens=2)
+    r = openai_client.chat.completions.create(model="tiny", messages=OK["messages"], max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")

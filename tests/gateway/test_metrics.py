@@ -1,0 +1,78 @@
+"""``/metrics``: vLLM's names, types, labels and buckets (under ``agentserve:`` and ``vllm:``), parsed with
+prometheus_client's own parser, and values that follow the requests served."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from agentserve.gateway.metrics import ITL_BUCKETS, TTFT_BUCKETS
+
+VLLM = {
+    "num_requests_running": "gauge", "num_requests_waiting": "gauge", "kv_cache_usage_perc": "gauge",
+    "time_to_first_token_seconds": "histogram", "inter_token_latency_seconds": "histogram",
+    "e2e_request_latency_seconds": "histogram", "request_queue_time_seconds": "histogram",
+    "request_prefill_time_seconds": "histogram", "request_decode_time_seconds": "histogram",
+    "request_prompt_tokens": "histogram", "request_generation_tokens": "histogram",
+    "prompt_tokens": "counter", "generation_tokens": "counter", "request_success": "counter",
+    "prefix_cache_queries": "counter", "prefix_cache_hits": "counter",
+}
+
+
+def scrape(url: str) -> dict:
+    r = httpx.get(url + "/metrics")  # open without the API key, as scrapers expect
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def value(families: dict, name: str, sample: str, **labels: str) -> float:
+    return sum(s.value for s in families[name].samples if s.name == sample and labels.items() <= s.labels.items())
+
+
+def test_vllm_names_types_labels_and_buckets(http_server, openai_client) -> None:
+    before = scrape(http_server.url)
+    openai_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "m"}], max_tokens=5,
+                                          temperature=0)
+    after = scrape(http_server.url)
+    for prefix in ("agentserve", "vllm"):
+        for name, kind in VLLM.items():
+            family = after[f"{prefix}:{name}"]
+            assert family.type == kind, (prefix, name)
+            assert all(s.labels.get("model_name") == "tiny" for s in family.samples), name
+        ttft_le = [float(s.labels["le"]) for s in after[f"{prefix}:time_to_first_token_seconds"].samples
+                   if s.name.endswith("_bucket")]
+        assert ttft_le == [*TTFT_BUCKETS, float("inf")]
+        itl_le = [float(s.labels["le"]) for s in after[f"{prefix}:inter_token_latency_seconds"].samples
+                  if s.name.endswith("_bucket")]
+        assert itl_le == [*ITL_BUCKETS, float("inf")]
+        gen = f"{prefix}:generation_tokens"
+        assert value(after, gen, gen + "_total") - value(before, gen, gen + "_total") == 5
+        ok = f"{prefix}:request_success"
+        assert value(after, ok, ok + "_total", finished_reason="length") > value(
+            before, ok, ok + "_total", finished_reason="length")
+        itl = f"{prefix}:inter_token_latency_seconds"
+        assert value(after, itl, itl + "_count") - value(before, itl, itl + "_count") == 4
+    kv = value(after, "agentserve:kv_cache_usage_perc", "agentserve:kv_cache_usage_perc")
+    assert 0.0 <= kv <= 1.0
+
+
+def test_ttft_by_class_and_agentserve_gauges(http_server, openai_client) -> None:
+    name = "agentserve:time_to_first_token_by_class_seconds"
+    before = scrape(http_server.url)
+    messages = [{"role": "user", "content": "first"}]
+    r1 = openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
+    messages += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "on"}]
+    openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
+    after = scrape(http_server.url)
+    for cls in ("cold", "resume"):
+        grew = value(after, name, name + "_count", **{"class": cls}) - value(before, name, name + "_count",
+                                                                                **{"class": cls})
+        assert grew == 1, cls
+    for gauge in ("agentserve:controller_b_prefill_tokens", "agentserve:controller_r_min_rung",
+                  "agentserve:partition_rung", "agentserve:kv_pinned_blocks", "agentserve:lane_utilisation"):
+        assert after[gauge].type == "gauge" and after[gauge].samples, gauge
+    lanes = {s.labels["lane"] for s in after["agentserve:lane_utilisation"].samples}
+    assert lanes == {"decode", "prefill"}
+    requests = after["agentserve:http_requests"]
+    assert any(s.labels == {"model_name": "tiny", "path": "/v1/chat/completions", "status": "200"}
+               for s in requests.samples)
