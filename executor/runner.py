@@ -134,6 +134,10 @@ class ModelRunner:
             attention_backend, config.num_heads, config.num_kv_heads, config.head_dim, block_size, self.device,
             self.dtype,
         )
+        if self.device.type == "cuda":  # compile the attention kernels now, not in the first request's step
+            log.info("compiling %s attention kernels", type(self.attention).__name__)
+            with torch.inference_mode():
+                self.attention.warmup(self.kv_cache.k[0], self.kv_cache.v[0])
         log.info(
             "loaded %s (%s) on %s as %s, %s weights; KV cache %d blocks x %d tokens (%.1f MiB)",
             model_dir,

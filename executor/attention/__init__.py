@@ -1,10 +1,10 @@
 """Attention backends behind one narrow interface (:class:`AttentionBackend`).
 
 ``auto``: on a CPU, PyTorch attention with the compiled paged-decode kernel for fp32 decode where it builds
-(:mod:`.cpu_kernel`); on CUDA, the Triton kernels where Triton is installed, else PyTorch.
+(:mod:`.cpu_kernel`); on CUDA, FlashInfer where it is installed, else the Triton kernels, else PyTorch.
 ``torch``: PyTorch only (the reference). ``cpu-kernel``: as ``auto`` on a CPU, but an error where the kernel
-cannot be used. ``triton`` (:mod:`.triton_backend`): its paged kernels, or an error saying why they cannot
-run here.
+cannot be used. ``triton`` (:mod:`.triton_backend`) and ``flashinfer`` (:mod:`.flashinfer_backend`): those
+paged kernels, or an error saying why they cannot run here.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from agentserve.executor.errors import EngineError
 if TYPE_CHECKING:
     from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
 
-BACKENDS = ("auto", "torch", "cpu-kernel", "triton")
+BACKENDS = ("auto", "torch", "cpu-kernel", "triton", "flashinfer")
 log = logging.getLogger(__name__)
 
 
@@ -41,6 +41,10 @@ def create_backend(
         from agentserve.executor.attention.triton_backend import TritonAttention
 
         return TritonAttention(*shape)
+    if name == "flashinfer":
+        from agentserve.executor.attention.flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention(*shape, dtype=dtype)
     from agentserve.executor.attention.torch_backend import TorchAttention
 
     kernel = None if name == "torch" else _decode_kernel(name, num_heads, num_kv_heads, head_dim, block_size,
@@ -53,7 +57,9 @@ def installed(module: str) -> bool:
 
 
 def cuda_default() -> str:
-    """``auto`` on CUDA: Triton (it ships with CUDA PyTorch), else PyTorch."""
+    """``auto`` on CUDA: FlashInfer where installed, else Triton (it ships with CUDA PyTorch), else PyTorch."""
+    if installed("flashinfer"):
+        return "flashinfer"
     return "triton" if installed("triton") else "torch"
 
 

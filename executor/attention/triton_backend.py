@@ -106,3 +106,14 @@ class TritonAttention(AttentionBackend):
                                      meta.num_splits)
         return kern.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_query, meta.start_pos,
                                   meta.max_query_len, self.scale)
+
+    def warmup(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Compile every kernel variant a step can launch: each kind of batch, then each decode split count."""
+        super().warmup(k_cache, v_cache)
+        q = k_cache.new_zeros(1, self.num_heads, self.head_dim)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=self.device)
+        lens = torch.ones(1, dtype=torch.int32, device=self.device)
+        splits = 2
+        while splits <= self.max_splits:
+            self.kernels.paged_decode(q, k_cache, v_cache, table, lens, self.scale, splits)
+            splits *= 2

@@ -164,3 +164,14 @@ def test_generated_shapes(group, kv_heads, head_dim, block_size, starts, chunk, 
     lens = [1 if decode else chunk] * len(starts)
     check(PagedCase(group * kv_heads, kv_heads, head_dim, block_size, starts, lens, seed),
           min_split_tokens=32, sm_count=1000)
+
+
+@pytest.mark.parametrize("block_size,num_blocks", [(1, 300), (16, 20), (64, 3)])
+def test_warmup_runs_every_kind_of_step(block_size, num_blocks):
+    """Start-up warm-up (kernel compilation on a GPU) runs each batch kind and every split count."""
+    backend = TritonAttention(4, 2, 16, block_size, CPU, max_splits=4)
+    kinds = backend.warmup_batches(num_blocks)
+    assert [b.is_decode for b in kinds] == ([True, False, True] if num_blocks * block_size >= 272 else [True, False])
+    k_cache, v_cache = torch.randn(num_blocks, block_size, 2, 16), torch.randn(num_blocks, block_size, 2, 16)
+    backend.warmup(k_cache, v_cache)
+    assert not k_cache.isnan().any()
