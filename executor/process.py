@@ -66,6 +66,7 @@ RUNNER_OPTIONS: tuple[tuple[str, type], ...] = (
     ("num_blocks", int),
     ("kv_cache_bytes", int),
     ("max_model_len", int),
+    ("cuda_graphs", str),
 )
 
 
@@ -146,11 +147,28 @@ class Executor:
         try:
             for lane in self.lanes.values():
                 lane.start()
+            self.capture_graphs()
             self.send(self.ready(model))
             return self._dispatch()
         finally:
             for lane in self.lanes.values():
                 lane.stop()
+            self.runner.drop_graphs()  # before the partitions they run on are closed
+
+    def capture_graphs(self) -> None:
+        """Capture each rung's decode graphs on that rung's decode lane; on any failure decode stays eager."""
+        why = self.runner.graphs_unavailable()
+        if why is not None:
+            log.info("decode graphs: none (%s)", why)
+            return
+        lane, rungs = self.lanes[Lane.DECODE], self.backend.ladder
+        try:
+            for i, rung in enumerate(rungs):
+                log.info("decode graphs: capturing rung %d (%d of %d)", rung.index, i + 1, len(rungs))
+                lane.submit(lambda b: self.runner.capture_graphs(b.rung.index, b.units), rung=rung.index).result()
+        except Exception as e:  # noqa: BLE001 - graphs are an optimisation: serve eagerly instead
+            log.warning("decode graphs: capture failed, decoding eagerly: %r", e)
+            self.runner.drop_graphs()
 
     def _dispatch(self) -> str:
         while True:
