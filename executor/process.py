@@ -37,6 +37,7 @@ from agentserve.executor.partition.detect import detect
 from agentserve.executor.runner import ModelRunner
 from agentserve.executor.sequences import SequenceTable
 from agentserve.executor.step import StepExecutor
+from agentserve.executor.step_timing import timed_step
 from agentserve.protocol.lanes import Lane
 from agentserve.protocol.ring_messages import (
     WIRE_VERSION,
@@ -103,15 +104,16 @@ class Executor:
         t_start = time.monotonic()
         gap_ms = (t_start - self._last_end[lane]) * 1e3
         num_tokens = sum(max(1, len(s.token_ids)) for s in plan.seqs)
+        label = f"{lane.name.lower()} rung {plan.rung} batch {len(plan.seqs)} tokens {num_tokens}"
         try:
-            with self.backend.step_scope(binding, num_tokens):
+            with self.backend.step_scope(binding, num_tokens), timed_step(binding.stream, label) as clock:
                 seqs = self.step.run(plan)
         except Exception as e:  # noqa: BLE001 - a failed step is reported, the lane lives on
             self._last_end[lane] = time.monotonic()
             self._report_failure(plan, e)
             return
         t_end = self._last_end[lane] = time.monotonic()
-        self.send(Result(plan.step, lane, plan.rung, seqs, t_start, t_end, gap_ms))
+        self.send(Result(plan.step, lane, plan.rung, seqs, t_start, t_end, gap_ms, clock.gpu_ms))
 
     def _report_failure(self, plan: Plan, error: BaseException | None) -> None:
         if error is None:
