@@ -44,6 +44,8 @@ def _executor_args(engine: dict[str, Any], partition: str | None) -> list[str]:
     for key in ("num_blocks", "max_model_len"):  # 0 / unset: the executor derives them
         if engine.get(key):
             args += ["--" + key.replace("_", "-"), str(engine[key])]
+    if engine.get("cuda_graphs", "auto") != "auto":
+        args += ["--cuda-graphs", str(engine["cuda_graphs"])]
     if engine.get("kv_cache_memory_gb"):
         args += ["--kv-cache-bytes", str(int(float(engine["kv_cache_memory_gb"]) * 2**30))]
     if partition:

@@ -38,6 +38,7 @@ from agentserve.executor.partition.detect import detect
 from agentserve.executor.runner import ModelRunner
 from agentserve.executor.sequences import SequenceTable
 from agentserve.executor.step import StepExecutor
+from agentserve.executor.step_timing import timed_step
 from agentserve.protocol.lanes import Lane
 from agentserve.protocol.ring_messages import (
     WIRE_VERSION,
@@ -67,6 +68,7 @@ RUNNER_OPTIONS: tuple[tuple[str, type], ...] = (
     ("num_blocks", int),
     ("kv_cache_bytes", int),
     ("max_model_len", int),
+    ("cuda_graphs", str),
 )
 
 
@@ -105,15 +107,16 @@ class Executor:
         t_start = time.monotonic()
         gap_ms = (t_start - self._last_end[lane]) * 1e3
         num_tokens = sum(max(1, len(s.token_ids)) for s in plan.seqs)
+        label = f"{lane.name.lower()} rung {plan.rung} batch {len(plan.seqs)} tokens {num_tokens}"
         try:
-            with self.backend.step_scope(binding, num_tokens):
+            with self.backend.step_scope(binding, num_tokens), timed_step(binding.stream, label) as clock:
                 seqs = self.step.run(plan)
         except Exception as e:  # noqa: BLE001 - a failed step is reported, the lane lives on
             self._last_end[lane] = time.monotonic()
             self._report_failure(plan, e)
             return
         t_end = self._last_end[lane] = time.monotonic()
-        self.send(Result(plan.step, lane, plan.rung, seqs, t_start, t_end, gap_ms))
+        self.send(Result(plan.step, lane, plan.rung, seqs, t_start, t_end, gap_ms, clock.gpu_ms))
 
     def _report_failure(self, plan: Plan, error: BaseException | None) -> None:
         if error is None:
@@ -149,11 +152,28 @@ class Executor:
         try:
             for lane in self.lanes.values():
                 lane.start()
+            self.capture_graphs()
             self.send(self.ready(model))
             return self._dispatch()
         finally:
             for lane in self.lanes.values():
                 lane.stop()
+            self.runner.drop_graphs()  # before the partitions they run on are closed
+
+    def capture_graphs(self) -> None:
+        """Capture each rung's decode graphs on that rung's decode lane; on any failure decode stays eager."""
+        why = self.runner.graphs_unavailable()
+        if why is not None:
+            log.info("decode graphs: none (%s)", why)
+            return
+        lane, rungs = self.lanes[Lane.DECODE], self.backend.ladder
+        try:
+            for i, rung in enumerate(rungs):
+                log.info("decode graphs: capturing rung %d (%d of %d)", rung.index, i + 1, len(rungs))
+                lane.submit(lambda b: self.runner.capture_graphs(b.rung.index, b.units), rung=rung.index).result()
+        except Exception as e:  # noqa: BLE001 - graphs are an optimisation: serve eagerly instead
+            log.warning("decode graphs: capture failed, decoding eagerly: %r", e)
+            self.runner.drop_graphs()
 
     def _dispatch(self) -> str:
         while True:

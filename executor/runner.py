@@ -20,6 +20,7 @@ from agentserve.executor.errors import EngineError, InvalidRequestError, PromptT
 from agentserve.executor.kv_cache import KVCache, bytes_per_block
 from agentserve.executor.linear import check_weights
 from agentserve.executor.model import DecoderModel
+from agentserve.executor.runner_graphs import RunnerGraphs
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def _available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-class ModelRunner:
+class ModelRunner(RunnerGraphs):
     """Runs one model. Not thread-safe; one caller drives it (the executor's step loop)."""
 
     def __init__(
@@ -107,12 +108,14 @@ class ModelRunner:
         attention_backend: str = "auto",
         max_model_len: int | None = None,
         weights: str = "auto",
+        cuda_graphs: str = "auto",
     ) -> None:
         self.model_dir = Path(model_dir)
         self.config = config = load_config(model_dir)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, config)
         check_weights(weights, self.device, self.dtype)
+        self._init_graphs(cuda_graphs)
         self.block_size = block_size
         self.max_model_len = min(
             max_model_len or config.max_position_embeddings, config.max_position_embeddings
@@ -135,6 +138,10 @@ class ModelRunner:
             attention_backend, config.num_heads, config.num_kv_heads, config.head_dim, block_size, self.device,
             self.dtype,
         )
+        if self.device.type == "cuda":  # compile the attention kernels now, not in the first request's step
+            log.info("compiling %s attention kernels", type(self.attention).__name__)
+            with torch.inference_mode():
+                self.attention.warmup(self.kv_cache.k[0], self.kv_cache.v[0])
         log.info(
             "loaded %s (%s) on %s as %s, %s weights; KV cache %d blocks x %d tokens (%.1f MiB)",
             model_dir,
@@ -151,7 +158,7 @@ class ModelRunner:
         c = self.config
         per_block = bytes_per_block(c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, self.dtype)
         if budget is None:
-            budget = _available_bytes(self.device) // 2
+            budget = _available_bytes(self.device) // 2 - self.graph_reserve_bytes()
             if self.device.type == "cpu":
                 budget = min(budget, CPU_KV_CAP_BYTES)
             full = DEFAULT_MAX_SEQS * -(-self.max_model_len // self.block_size)
@@ -201,13 +208,20 @@ class ModelRunner:
         return self.model.logits(hidden[last.to(self.device)])
 
     @torch.inference_mode()
-    def decode(self, items: list[DecodeItem]) -> torch.Tensor:
-        """One token for each sequence; returns fp32 logits ``[len(items), vocab]``."""
+    def decode(self, items: list[DecodeItem], rung: int | None = None) -> torch.Tensor:
+        """One token for each sequence; returns fp32 logits ``[len(items), vocab]``.
+
+        With ``rung``, replays that rung's decode graph where one fits (its logits are overwritten by the
+        next replay: read them before the next step)."""
         if not items:
             raise InvalidRequestError("decode needs at least one item")
         bs = self.block_size
         for it in items:
             self._check([it.token_id], it.position, it.block_table)
+        replayed = self._replay_decode(rung, [it.token_id for it in items], [it.position for it in items],
+                                       [it.block_table for it in items])
+        if replayed is not None:
+            return replayed
         ids = torch.tensor([it.token_id for it in items], dtype=torch.int64)
         positions = torch.tensor([it.position for it in items], dtype=torch.int64)
         slots = torch.tensor(

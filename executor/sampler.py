@@ -66,7 +66,9 @@ class Sampler:
         if rows:
             tokens[rows] = self._draw(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
         logprobs = logits.log_softmax(dim=1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return tokens.tolist(), logprobs.tolist()
+        # one device-to-host copy for both (fp64 holds every token id and fp32 logprob exactly)
+        host = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).tolist()
+        return [int(t) for t in host[0]], host[1]
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], gens: list) -> torch.Tensor:
         x = logits / _col([p.temperature for p in params], logits, torch.float32)

@@ -36,14 +36,14 @@ class StepExecutor:
         if not work:
             return []
         feeds = [st.tokens_for(sp) for sp, st in work]
-        logits = self._forward(work, feeds)
+        logits = self._forward(work, feeds, plan.rung)
         return self._sample(work, feeds, logits)
 
-    def _forward(self, work: list[tuple[SeqPlan, SeqState]], feeds: list[list[int]]) -> torch.Tensor:
+    def _forward(self, work: list[tuple[SeqPlan, SeqState]], feeds: list[list[int]], rung: int) -> torch.Tensor:
         pairs = zip(work, feeds, strict=True)
         if all(len(f) == 1 for f in feeds):
             items = [DecodeItem(f[0], sp.start_pos, st.block_table) for (sp, st), f in pairs]
-            return self.runner.decode(items)
+            return self.runner.decode(items, rung)  # the rung's decode graph where one was captured
         return self.runner.prefill([PrefillChunk(f, sp.start_pos, st.block_table) for (sp, st), f in pairs])
 
     def _sample(

@@ -106,6 +106,7 @@ class Result(WireStruct, tag="result"):
     t_start: float
     t_end: float
     gap_ms: float = 0.0  # idle time of this lane before the step began
+    gpu_ms: float = -1.0  # the step's GPU time between CUDA events on its stream (-1: not measured, e.g. CPU)
 
 
 class ExecError(WireStruct, tag="error"):

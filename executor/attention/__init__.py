@@ -1,12 +1,15 @@
 """Attention backends behind one narrow interface (:class:`AttentionBackend`).
 
-``auto``: PyTorch attention, with the compiled paged-decode kernel for fp32 decode on a CPU where it builds
-(:mod:`.cpu_kernel`). ``torch``: PyTorch only (the reference). ``cpu-kernel``: as ``auto``, but an error
-where the kernel cannot be used.
+``auto``: on a CPU, PyTorch attention with the compiled paged-decode kernel for fp32 decode where it builds
+(:mod:`.cpu_kernel`); on CUDA, FlashInfer where it is installed, else the Triton kernels, else PyTorch.
+``torch``: PyTorch only (the reference). ``cpu-kernel``: as ``auto`` on a CPU, but an error where the kernel
+cannot be used. ``triton`` (:mod:`.triton_backend`) and ``flashinfer`` (:mod:`.flashinfer_backend`): those
+paged kernels, or an error saying why they cannot run here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import TYPE_CHECKING
 
@@ -18,7 +21,7 @@ from agentserve.executor.errors import EngineError
 if TYPE_CHECKING:
     from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
 
-BACKENDS = ("auto", "torch", "cpu-kernel")
+BACKENDS = ("auto", "torch", "cpu-kernel", "triton", "flashinfer")
 log = logging.getLogger(__name__)
 
 
@@ -29,11 +32,45 @@ def create_backend(
     """Instantiate the attention backend called ``name`` for a KV cache of ``dtype`` on ``device``."""
     if name not in BACKENDS:
         raise EngineError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
+    if name == "auto" and device.type == "cuda":
+        name = cuda_default()
+        log.info("attention backend on CUDA: %s", name)
+    shape = (num_heads, num_kv_heads, head_dim, block_size, device)
+    if name == "triton":
+        _require_triton(device)
+        from agentserve.executor.attention.triton_backend import TritonAttention
+
+        return TritonAttention(*shape)
+    if name == "flashinfer":
+        from agentserve.executor.attention.flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention(*shape, dtype=dtype)
     from agentserve.executor.attention.torch_backend import TorchAttention
 
     kernel = None if name == "torch" else _decode_kernel(name, num_heads, num_kv_heads, head_dim, block_size,
                                                           device, dtype)
     return TorchAttention(num_heads, num_kv_heads, head_dim, block_size, device, decode_kernel=kernel)
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def cuda_default() -> str:
+    """``auto`` on CUDA: FlashInfer where installed, else Triton (it ships with CUDA PyTorch), else PyTorch."""
+    if installed("flashinfer"):
+        return "flashinfer"
+    return "triton" if installed("triton") else "torch"
+
+
+def _require_triton(device: torch.device) -> None:
+    from agentserve.executor.attention.triton_backend import interpreting
+
+    if not installed("triton"):
+        raise EngineError("attention backend 'triton' needs the triton package (it ships with CUDA PyTorch)")
+    if device.type != "cuda" and not interpreting():
+        raise EngineError("attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 before start-up "
+                          "to run its kernels in Triton's CPU interpreter, slowly, for tests)")
 
 
 def _decode_kernel(name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,

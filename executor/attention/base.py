@@ -62,3 +62,29 @@ class AttentionBackend(ABC):
 
         Returns ``[T, heads * head_dim]``.
         """
+
+    def warmup_batches(self, num_blocks: int) -> list[AttentionBatch]:
+        """One batch of each kind a step can be, in the first blocks of the cache (identity tables, so a
+        position's slot is the position): a decode, a prefill after a cached prefix, and, where the cache
+        has room, a decode batch sharing a cascade-sized prefix."""
+        from agentserve.executor.attention import cascade
+
+        bs = self.block_size
+        batches = [AttentionBatch(True, [1], [0], [[0]], torch.tensor([0]))]
+        if num_blocks * bs >= 5:
+            batches.append(AttentionBatch(False, [3], [2], [list(range(-(-5 // bs)))], torch.arange(2, 5)))
+        shared = -(-cascade.MIN_SHARED_TOKENS // bs)
+        if num_blocks >= shared + 2:
+            tables = [list(range(shared)) + [shared + i] for i in range(2)]
+            batches.append(AttentionBatch(True, [1, 1], [shared * bs] * 2, tables,
+                                          torch.tensor([t[-1] * bs for t in tables])))
+        return batches
+
+    def warmup(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Run every :meth:`warmup_batches` kind once (kernels compile before serving); writes zeros into the
+        first blocks of ``k_cache`` / ``v_cache``, so call it before any sequence is cached."""
+        for batch in self.warmup_batches(k_cache.shape[0]):
+            t = len(batch.slot_mapping)
+            q = k_cache.new_zeros(t, self.num_heads, self.head_dim)
+            kv = k_cache.new_zeros(t, self.num_kv_heads, self.head_dim)
+            self.forward(q, kv, kv, k_cache, v_cache, self.plan(batch))

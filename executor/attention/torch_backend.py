@@ -2,15 +2,17 @@
 
 Decode on a CPU in fp32 runs the compiled paged-decode kernel where one was given (:mod:`.cpu_kernel`:
 keys read in place from their blocks).  Otherwise it uses ``scaled_dot_product_attention`` on gathered
-K/V; on CPU a prefix of blocks shared by the whole batch (agents' common system prompt) is then attended
-once for all of it (:mod:`.cascade`).
+K/V, each KV head's query group folded into query rows (4-D, no repeated K/V); on CPU a prefix of blocks
+shared by the whole batch (agents' common system prompt) is then attended once for all of it
+(:mod:`.cascade`).  On CUDA the gathers of one forward pass go into buffers made by its first layer and
+reused by every later one (:class:`GatherBuffers`), so no layer allocates a copy of the batch's KV.
 
-Prefill uses SDPA on CUDA.  On CPU it calls SDPA's flash kernel directly with each KV head's query group
-folded into rows (K/V read once per group, never repeated) and an additive causal mask, in query blocks
-of at most :data:`CPU_ROW_BLOCK` rows and :data:`CPU_MASK_BYTES` of mask, each block attending only up to
-its last causal key.  Against blocked BLAS matmul attention on 2 cores (``bench`` model, one layer): equal
-for a fresh 512-token chunk, 2-3x faster for a chunk after 1-3k cached tokens (512 rows after 3100: 98 →
-44 ms; 16 rows: 4.0 → 2.4 ms) — the BLAS path paid for a transposed copy of every cached key.
+Prefill on CUDA calls SDPA with 4-D ``[1, heads, L, D]`` queries against ``[1, kv_heads, S, D]`` keys and
+``enable_gqa``, causal (bottom-right aligned after a cached prefix), so its fused kernels run and K/V are
+never repeated per query head.  On CPU it calls SDPA's flash kernel directly with each KV head's query group
+folded into rows (K/V read once per group) and an additive causal mask, in query blocks of at most
+:data:`CPU_ROW_BLOCK` rows and :data:`CPU_MASK_BYTES` of mask, each block attending only up to its last
+causal key.  The Triton backend (:mod:`.triton_backend`) replaces this path on CUDA by default.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from agentserve.executor.attention import cascade
 from agentserve.executor.attention.base import AttentionBackend, AttentionBatch
@@ -39,12 +42,31 @@ class _Chunk:
     blocks: torch.Tensor | None  # cached blocks to gather (None: no prefix, use the chunk's own k/v)
 
 
+class GatherBuffers:
+    """Gathers of one forward pass into buffers its first layer allocates and every later layer reuses.
+
+    Layers have caches of one shape, so the ``key``-th gather of every layer has one shape.  ``None`` where
+    a fresh tensor per gather is wanted (CPU: the numerics and speed measured there are of that path)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[object, torch.Tensor] = {}
+
+    def gather(self, key: object, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        out = self._bufs.get(key)
+        if out is None:
+            out = self._bufs[key] = torch.empty((blocks.numel(), *cache.shape[1:]), dtype=cache.dtype,
+                                                device=cache.device)
+        torch.index_select(cache, 0, blocks.reshape(-1), out=out)
+        return out.view(*blocks.shape[:-1], -1, *cache.shape[2:])
+
+
 @dataclass
 class _PrefillPlan:
     slots: torch.Tensor
     chunks: list[_Chunk]  # chunks attended one by one
     decode_rows: torch.Tensor | None = None  # rows of one-token continuations, attended as a decode batch
     decode: _DecodePlan | None = None
+    buffers: GatherBuffers | None = None  # reused gathers (CUDA), else None
 
 
 @dataclass
@@ -58,6 +80,7 @@ class _DecodePlan:
     shared_run: int | None = None  # first block when ``shared`` is one run of consecutive blocks (a view)
     bool_mask: torch.Tensor | None = None  # :meth:`mask`, made on first use (the compiled kernel reads lens)
     additive: torch.Tensor | None = None  # ``mask`` as 0 / -inf in the query dtype (cascade; made once)
+    buffers: GatherBuffers | None = None  # reused gathers (CUDA), else None
 
     def mask(self) -> torch.Tensor:
         """``[B, 1, 1, max_blocks * block_size]`` bool: which padded key positions each row attends."""
@@ -73,10 +96,14 @@ class _DecodePlan:
         return self.additive
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Tokens of ``blocks`` ([N] or [B, N]) as ``[N * block_size, ...]`` or ``[B, N * block_size, ...]``.
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, buffers: GatherBuffers | None = None,
+            key: object = None) -> torch.Tensor:
+    """Tokens of ``blocks`` ([N] or [B, N]) as ``[N * block_size, ...]`` or ``[B, N * block_size, ...]``,
+    into ``buffers`` under ``key`` when given.
 
     ``index_select`` on the flat block axis: on CPU it is ~10x faster than advanced indexing."""
+    if buffers is not None:
+        return buffers.gather(key, cache, blocks)
     out = cache.index_select(0, blocks.reshape(-1))
     return out.view(*blocks.shape[:-1], -1, *cache.shape[2:])
 
@@ -101,10 +128,12 @@ class TorchAttention(AttentionBackend):
     """Reference backend. GQA runs without repeating K/V: each KV head's query group is folded into rows."""
 
     def __init__(self, *args, sdpa_prefill: bool | None = None, cascade_decode: bool | None = None,
-                 decode_kernel: PagedDecodeKernel | None = None, **kwargs) -> None:
+                 reuse_gathers: bool | None = None, decode_kernel: PagedDecodeKernel | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.group = self.num_heads // self.num_kv_heads
         self.sdpa_prefill = self.device.type == "cuda" if sdpa_prefill is None else sdpa_prefill
+        self.reuse_gathers = self.device.type == "cuda" if reuse_gathers is None else reuse_gathers
         self.decode_kernel = decode_kernel  # fp32 CPU caches only: the caller checks
         # cascade needs the log-sum-exp of each partial attention: CPU's flash kernel returns it
         self.cascade_decode = self.device.type == "cpu" if cascade_decode is None else cascade_decode
@@ -127,7 +156,7 @@ class TorchAttention(AttentionBackend):
                     blocks = torch.tensor(table[:n], dtype=torch.int64).to(self.device, non_blocking=True)
                 chunks.append(_Chunk(begin, begin + qlen, start, blocks))
             begin += qlen
-        plan = _PrefillPlan(slots, chunks)
+        plan = _PrefillPlan(slots, chunks, buffers=GatherBuffers() if self.reuse_gathers else None)
         if decodes:
             idx = [i for i, _ in decodes]
             sub = AttentionBatch(True, [1] * len(idx), [batch.start_pos[i] for i in idx],
@@ -153,7 +182,8 @@ class TorchAttention(AttentionBackend):
         padded = [r + [0] * (width - len(r)) for r in rows]
         tables = torch.tensor(padded, dtype=torch.int64).to(self.device, non_blocking=True)
         lens = torch.tensor(seq_lens, dtype=torch.int64).to(self.device, non_blocking=True)
-        return _DecodePlan(slots, tables, lens, bs, torch.get_num_threads(), shared, run)
+        return _DecodePlan(slots, tables, lens, bs, torch.get_num_threads(), shared, run,
+                           buffers=GatherBuffers() if self.reuse_gathers else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: _PrefillPlan | _DecodePlan) -> torch.Tensor:
@@ -162,11 +192,11 @@ class TorchAttention(AttentionBackend):
         if isinstance(meta, _DecodePlan):
             return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        for c in meta.chunks:
+        for i, c in enumerate(meta.chunks):
             ck, cv = k[c.begin : c.end], v[c.begin : c.end]
             if c.blocks is not None:
-                ck = _gather(k_cache, c.blocks)[: c.end - c.begin + c.start]
-                cv = _gather(v_cache, c.blocks)[: c.end - c.begin + c.start]
+                ck = _gather(k_cache, c.blocks, meta.buffers, ("k", i))[: c.end - c.begin + c.start]
+                cv = _gather(v_cache, c.blocks, meta.buffers, ("v", i))[: c.end - c.begin + c.start]
             attend = self._sdpa_chunk if self.sdpa_prefill else self._flash_chunk
             out[c.begin : c.end] = attend(q[c.begin : c.end], ck, cv, c.start)
         if meta.decode is not None:
@@ -181,8 +211,8 @@ class TorchAttention(AttentionBackend):
             out = self.decode_kernel.run(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.lens, self.scale,
                                          meta.threads)
             return out.view(b, -1)
-        kc = _gather(k_cache, meta.block_tables).transpose(1, 2)  # [B, kv_heads, S, D]
-        vc = _gather(v_cache, meta.block_tables).transpose(1, 2)
+        kc = _gather(k_cache, meta.block_tables, meta.buffers, "k").transpose(1, 2)  # [B, kv_heads, S, D]
+        vc = _gather(v_cache, meta.block_tables, meta.buffers, "v").transpose(1, 2)
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
         if meta.shared is None:
             out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.mask(), scale=self.scale)
@@ -209,16 +239,15 @@ class TorchAttention(AttentionBackend):
         return out.view(kvh, b, g, d).transpose(0, 1), lse.view(kvh, b, g).transpose(0, 1)
 
     def _sdpa_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-        """q [L, heads, D] against k/v [start + L, kv_heads, D]; returns [L, heads, D]."""
+        """q [L, heads, D] against k/v [start + L, kv_heads, D]; returns [L, heads, D].
+
+        4-D with ``enable_gqa`` so SDPA's fused kernels take it; causal aligned to the last key."""
         n, s = q.shape[0], k.shape[0]
-        mask = None
-        if start > 0:
-            mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril_(start)
-        kh = k.transpose(0, 1).repeat_interleave(self.group, dim=0)
-        vh = v.transpose(0, 1).repeat_interleave(self.group, dim=0)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), kh, vh, attn_mask=mask,
-                                             is_causal=mask is None, scale=self.scale)
-        return out.transpose(0, 1)
+        qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads | kv_heads, L | S, D]
+        mask = causal_lower_right(n, s) if start > 0 else None
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                             enable_gqa=self.group > 1)
+        return out[0].transpose(0, 1)
 
     def _flash_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """CPU prefill in query blocks, GQA groups folded into rows. Shapes as ``_sdpa_chunk``."""
