@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -92,7 +93,8 @@ class GraphRunner:
     """Records graph captures the way the executor asks for them."""
 
     device = torch.device("cpu")
-    config = SimpleNamespace(eos_token_ids=[])
+    config = SimpleNamespace(eos_token_ids=[], vocab_size=32)
+    model_dir = Path("no-checkpoint")  # the grammar masks read its tokenizer only when a grammar is used
     max_model_len = 64
 
     def __init__(self, fail_at: int | None = None) -> None:
