@@ -55,14 +55,24 @@ def tick_label(value: float) -> str:
     return f"{value:g}"
 
 
-def readable_log_axis(ax, axis: str, values: Iterable[float], pad: float = 1.25) -> None:
+def log_limits(lo: float, hi: float, pad: float = 1.05) -> tuple[float, float]:
+    """Axis limits around ``[lo, hi]``: padded, then out to one significant digit (24 → 20, 2100 → 3000;
+    two digits for a range under a decade), so the round values next to the data are on the axis."""
+    digits = 1 if hi / lo >= 10 else 2
+    lo, hi = lo / pad, hi * pad
+    e_lo = 10.0 ** (math.floor(math.log10(lo)) - digits + 1)
+    e_hi = 10.0 ** (math.floor(math.log10(hi)) - digits + 1)
+    return float(f"{math.floor(lo / e_lo) * e_lo:.6g}"), float(f"{math.ceil(hi / e_hi - 1e-9) * e_hi:.6g}")
+
+
+def readable_log_axis(ax, axis: str, values: Iterable[float]) -> None:
     """Make ``ax``'s ``axis`` ("x" or "y") logarithmic over ``values`` with labelled ticks in range."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     positive = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
     if not positive:
         return
-    lo, hi = min(positive) / pad, max(positive) * pad
+    lo, hi = log_limits(min(positive), max(positive))
     which = ax.xaxis if axis == "x" else ax.yaxis
     (ax.set_xlim if axis == "x" else ax.set_ylim)(lo, hi)  # limits first: no autoscale of a single point
     (ax.set_xscale if axis == "x" else ax.set_yscale)("log")

@@ -58,6 +58,10 @@ def detail_plot_path(plot_path: str, agents: int) -> Path:
     return p.with_name(f"{p.stem}-agents{agents}{p.suffix or '.png'}")
 
 
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def _base_meta(spec: WorkloadSpec, model: str, duration: float, warmup: float, repeats: int, slo: SLO,
                target: str | None) -> dict[str, Any]:
     return {"workload": spec.name, "duration_s": duration, "warmup_s": warmup, "model": model,
@@ -121,15 +125,13 @@ def _finish(console: Console, runs: sweep.SweepRuns, counts: list[int], base_met
             points.append(point)
     if not points:
         raise click.ClickException("no system could be benchmarked")
+    ended = {"command": command, "finished": _now(), "loadavg_end": list(os.getloadavg())}
     if len(counts) == 1:
         out = points[0]
-        out["meta"]["command"] = command
+        out["meta"].update(ended)
         reporting.print_table(out, console)
     else:
-        failed = {str(n): names for n, names in runs.failed.items()}
-        out = sweep_report.build(points, {"command": command, "failed": failed,
-                                          "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                          "loadavg_end": list(os.getloadavg())})
+        out = sweep_report.build(points, {**ended, "failed": {str(n): names for n, names in runs.failed.items()}})
         for r in out["rows"]:
             console.print(sweep_report.headline_table(r, out["reference"], out["meta"]["slo"]))
     if plot_path:
@@ -221,8 +223,10 @@ def bench(ctx: click.Context, workload: str, agents: str | None, policies: str, 
     if not console.is_terminal:  # a log file: room for a column per system
         console = Console(width=160)
     console.print(f"machine: {machine_info.one_line(machine_info.describe())}", markup=False)
+    # when it began and how busy the machine was then (the report adds the end)
+    began = {"date": _now(), "loadavg_1_5_15": list(os.getloadavg())}
     runs = run_sweep(console, spec, counts, systems, repeats, warmup, duration, request_timeout, launch)
-    meta = _base_meta(spec, (target_model or "external") if target else model, duration, warmup, repeats, slo,
-                      target)
+    meta = {**_base_meta(spec, (target_model or "external") if target else model, duration, warmup, repeats, slo,
+                         target), **began}
     out = _finish(console, runs, counts, meta, slo, command_line(ctx), json_path, plot_path)
     _check_errors(out, runs)

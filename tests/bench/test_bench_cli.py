@@ -116,6 +116,8 @@ def test_a_sweep_writes_a_row_per_agent_count_and_both_figures(tmp_path):
     assert "sweep: 4/4 runs" in result.output and "left" in result.output
     assert "2 agents · target (2/2)" in result.output
     assert data["meta"]["cpu_flags"] is not None and "cpu_model" in data["meta"]
+    assert data["meta"]["date"] < data["meta"]["finished"]  # began before the runs, finished after
+    assert len(data["meta"]["loadavg_1_5_15"]) == 3 and len(data["meta"]["loadavg_end"]) == 3
 
 
 def _fake_targets(launches: FakeLaunches):

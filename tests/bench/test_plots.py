@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentserve.bench.metrics import SLO
-from agentserve.bench.plot_style import log_ticks, tick_label
+from agentserve.bench.plot_style import log_limits, log_ticks, tick_label
 
 matplotlib = pytest.importorskip("matplotlib")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -26,6 +26,15 @@ def test_log_ticks_lie_in_range_and_read_differently(lo, ratio):
     assert ticks == sorted(set(ticks))
     labels = [tick_label(t) for t in ticks]
     assert len(set(labels)) == len(labels)
+
+
+@given(lo=st.floats(1e-3, 1e6), ratio=st.floats(1.0, 1e5))
+def test_log_limits_hold_the_data_and_waste_little(lo, ratio):
+    hi = lo * ratio
+    a, b = log_limits(lo, hi)
+    assert a <= lo / 1.05 * (1 + 1e-9) and b >= hi * 1.05 * (1 - 1e-9)
+    assert a >= lo / 1.05 / 2 - 1e-12 and b <= hi * 1.05 * 2  # rounding out costs at most a factor 2 a side
+    assert len(log_ticks(a, b)) >= 2
 
 
 def test_log_ticks_of_a_range_without_a_decade_inside():
