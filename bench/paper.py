@@ -65,7 +65,7 @@ def _why_absent(sweep: dict[str, Any], systems: tuple[str, ...]) -> str:
     tried = {s: _failures(sweep, s) for s in systems if _failures(sweep, s)}
     if tried:
         return "; ".join(f"{s} failed at {', '.join(n)} agents" for s, n in tried.items())
-    return f"the sweep ran none of {', '.join(systems)}"
+    return f"the sweep did not run {' or '.join(systems)}"
 
 
 def _measured(fs: dict[int, float], agents: int) -> str:
@@ -149,17 +149,21 @@ def _plot_links(sweep: dict[str, Any], json_path: Path, out_dir: Path) -> list[s
 
 
 
+def _load(values: Any) -> str:
+    return ", ".join(f"{v:.2f}" for v in values) if isinstance(values, list) else "not recorded"
+
+
 def _facts(sweep: dict[str, Any]) -> list[str]:
     meta = sweep["meta"]
     slo = meta.get("slo") or {}
     failed = meta.get("failed") or {}
-    load_end = f" → {meta['loadavg_end']}" if meta.get("loadavg_end") else ""
+    load_end = f" → {_load(meta['loadavg_end'])}" if meta.get("loadavg_end") else ""
     return [
         f"- command: `{meta.get('command') or 'not recorded'}`",
         f"- date: {meta.get('date', 'not recorded')}" + (f" → {meta['finished']}" if meta.get("finished") else ""),
         f"- machine: {machine.one_line(meta)}",
         f"- load average (1, 5, 15 min) at the start{' / end' if load_end else ''}: "
-        f"{meta.get('loadavg_1_5_15', 'not recorded')}{load_end}",
+        f"{_load(meta.get('loadavg_1_5_15'))}{load_end}",
         f"- model {meta.get('model', '?')}; {number(meta.get('warmup_s'))} s warm-up + "
         f"{number(meta.get('duration_s'))} s measured, {meta.get('repeats', 1)} interleaved repeat(s) per system "
         f"and agent count; SLO TTFT {number(slo.get('ttft_ms'))} ms, TPOT {number(slo.get('tpot_ms'))} ms",

@@ -53,6 +53,10 @@ TABLE_KEYS = ("slo_attainment", "ttft_slo_attainment", "tpot_slo_attainment", "g
               "ttft_resume_p95", "tpot_p95", "throughput_tok_s")
 
 
+# meta keys that belong to one agent count, kept in its point, not in the sweep's meta
+PER_POINT = ("agents", "failed", "per_repeat_ratios")
+
+
 def _row_figures(figures: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {h.key: reporting.get(figures, h.path) for h in HEADLINE}
     out["requests"], out["errors"] = figures.get("requests", 0), figures.get("errors", 0)
@@ -80,7 +84,8 @@ def build(points: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     for p in points:
         systems += [n for n in p["policies"] if n not in systems]
     reference = reporting.REFERENCE if reporting.REFERENCE in systems else systems[0]
-    return {"meta": {**points[0]["meta"], **meta, "agents": [p["meta"]["agents"] for p in points]},
+    shared = {k: v for k, v in points[0]["meta"].items() if k not in PER_POINT}
+    return {"meta": {**shared, **meta, "agents": [p["meta"]["agents"] for p in points]},
             "reference": reference, "systems": systems, "rows": [row(p) for p in points], "points": points}
 
 

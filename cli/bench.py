@@ -71,18 +71,18 @@ def _base_meta(spec: WorkloadSpec, model: str, duration: float, warmup: float, r
             "repeats": repeats}
 
 
-def _announce(console: Console, slots: list[sweep.RunSlot], run_s: float, counts: list[int]) -> None:
-    measured = len(slots) * run_s
-    console.print(f"{len(slots)} runs ({len(counts)} agent count(s) × {len({s.system for s in slots})} system(s) "
-                  f"× repeats) of {run_s:g} s: {duration_text(measured)} measured, plus a server start and "
-                  f"drain per run")
+def _announce(console: Console, slots: list[sweep.RunSlot], run_s: float) -> None:
+    counts, systems, repeats = ({getattr(s, k) for s in slots} for k in ("agents", "system", "repeat"))
+    console.print(f"{len(slots)} runs ({len(counts)} agent count(s) × {len(systems)} system(s) × {len(repeats)} "
+                  f"repeat(s)) of {run_s:g} s: {duration_text(len(slots) * run_s)} measured, plus a server "
+                  f"start and drain per run")
 
 
 def run_sweep(console: Console, spec: WorkloadSpec, counts: list[int], systems: list[str], repeats: int,
               warmup: float, duration: float, timeout_s: float, launch: sweep.Launch) -> sweep.SweepRuns:
     """Every system at every agent count, with a progress display across the whole sweep."""
     slots = sweep.plan(counts, systems, repeats, spec.seed)
-    _announce(console, slots, warmup + duration, counts)
+    _announce(console, slots, warmup + duration)
     with SweepProgress(console, slots, warmup + duration, repeats, (servers.ServerFailed,)) as progress:
         drive = runner.driver(warmup, duration, timeout_s, progress.tick)
         return sweep.execute(slots, spec, launch, drive, progress.on_event)
@@ -150,7 +150,8 @@ def _check_errors(out: dict[str, Any], runs: sweep.SweepRuns) -> None:
                 errors[f"{name} @ {point['meta']['agents']}"] = f["errors"]
     if runs.failed or errors:
         failed = {n: names for n, names in runs.failed.items()} or "none"
-        raise click.ClickException(f"failed to start: {failed}; systems with errors: {errors or 'none'}")
+        raise click.ClickException(f"systems that failed (agents: systems): {failed}; "
+                                   f"systems with request errors: {errors or 'none'}")
 
 
 @click.command("bench")

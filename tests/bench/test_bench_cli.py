@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 
@@ -155,3 +156,17 @@ def test_bad_policy_or_agent_list_is_refused_before_anything_runs():
     assert result.exit_code == 2 and "vllm" in result.output and "no-partition" in result.output
     result = CliRunner().invoke(bench, ["--agents", "1,0"])
     assert result.exit_code == 2 and "--agents" in result.output
+
+
+def test_each_point_launches_its_system_for_that_agent_count(monkeypatch):
+    calls = []
+    monkeypatch.setattr(servers, "llama_server", lambda *a: calls.append(("llama", *a)))
+    monkeypatch.setattr(servers, "agentserve", lambda *a: calls.append(("up", *a)))
+    launch = runner.launcher("tiny", ["--tpot-slo-ms", "80"])
+    spec = dataclasses.replace(load_spec("react"), agents=5)
+    launch("llama-server", spec)
+    launch("no-partition", spec)
+    assert calls == [("llama", "tiny", 5, context_per_agent(spec)),
+                     ("up", "tiny", "no-partition", ["--tpot-slo-ms", "80"])]
+    with pytest.raises(ValueError, match="--target"):
+        launch("target", spec)

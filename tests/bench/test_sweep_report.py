@@ -10,6 +10,7 @@ from agentserve.bench import runner, sweep_report
 from agentserve.bench.metrics import SLO
 
 SLO_HALF = SLO(ttft_s=0.5, tpot_s=0.1)
+AS = "agentserve"
 
 
 def _repeats():
@@ -55,6 +56,16 @@ def test_ratios_are_against_agentserve_and_a_system_missing_at_a_count_is_absent
     assert r1["systems"]["agentserve"]["ratios"]["ttft_p95"] == pytest.approx(1.0)
     assert "fcfs" not in r2["systems"]
     assert len(sweep["points"]) == 2 and sweep["points"][1]["meta"]["agents"] == 2
+
+
+def test_the_sweep_meta_keeps_only_what_every_count_shares():
+    one, two = fake_point(1, {AS: fake_figures()}), fake_point(2, {AS: fake_figures()})
+    one["meta"]["per_repeat_ratios"] = [{AS: {"tpot_p95": 1.0}}]
+    one["meta"]["failed"] = ["fcfs"]
+    s = sweep_report.build([one, two], {"failed": {"1": ["fcfs"]}})
+    assert "per_repeat_ratios" not in s["meta"] and s["meta"]["failed"] == {"1": ["fcfs"]}
+    assert s["points"][0]["meta"]["per_repeat_ratios"] == [{AS: {"tpot_p95": 1.0}}]
+    assert s["meta"]["agents"] == [1, 2] and s["meta"]["cpu_model"] == "Fake CPU 9000"
 
 
 def test_a_single_count_report_reads_as_a_one_row_sweep():
