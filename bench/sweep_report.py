@@ -122,8 +122,8 @@ def fmt_ratio(ratio: float | None) -> str:
 def headline_table(sweep_row: dict[str, Any], reference: str, slo: dict[str, Any] | None = None) -> Table:
     """A rich table of one agent count: a row per headline figure, a column per system, ratios to ``reference``."""
     n = sweep_row["agents"]
-    slo_text = f", SLO TTFT {number(slo.get('ttft_ms'))} ms / TPOT {number(slo.get('tpot_ms'))} ms" if slo else ""
-    t = Table(title=f"{n} agent{'s' if n != 1 else ''} (ratio = system / {reference}{slo_text})")
+    slo_text = f" · SLO TTFT {number(slo.get('ttft_ms'))} ms, TPOT {number(slo.get('tpot_ms'))} ms" if slo else ""
+    t = Table(title=f"{n} agent{'s' if n != 1 else ''}{slo_text}", caption=f"(ratio) = system / {reference}")
     t.add_column("figure")
     for name in sweep_row["systems"]:
         t.add_column(name, justify="right")
