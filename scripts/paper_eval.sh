@@ -10,7 +10,7 @@
 # beside the figures measured, every number read from OUT/*.json. Default systems: every in-engine policy,
 # plus llama-server when scripts/compare_llamacpp.sh --build-only has built it. A system that fails at a
 # count is recorded as failed there (bench then exits non-zero); the sweep goes on and the report says so.
-# Not part of CI: with the defaults it runs about 36-42 runs of ~75 s per workload (see docs/bench.md).
+# Not part of CI: with the defaults, 36 runs (42 with llama-server) of ~70 s per workload, ~1.4 h in all (docs/bench.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
