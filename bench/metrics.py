@@ -123,13 +123,14 @@ class SLO:
 
 
 def summary(values: list[float], scale: float = 1.0) -> dict[str, float | int | None]:
-    """mean / p50 / p95 / p99 (linear interpolation, as ``numpy.percentile``) times ``scale``."""
+    """mean / p50 / p95 / p99 (linear interpolation, as ``numpy.percentile``) and the population standard
+    deviation (the spread the "latency variance" ablation compares), times ``scale``."""
     if not values:
-        return {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None}
+        return {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None, "std": None}
     a = np.asarray(values, dtype=float) * scale
     p50, p95, p99 = np.percentile(a, [50, 95, 99])
     return {"count": len(values), "mean": float(a.mean()), "p50": float(p50), "p95": float(p95),
-            "p99": float(p99)}
+            "p99": float(p99), "std": float(a.std())}
 
 
 def aggregate(run: RunRecord, slo: SLO) -> dict:

@@ -9,14 +9,14 @@ below 1 means it delivers less.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from agentserve.bench import machine
 
 REFERENCE = "agentserve"
 
@@ -32,6 +32,7 @@ FIGURES: list[tuple[str, tuple[str, ...], str]] = [
     ("TPOT p50", ("tpot", "p50"), "ms"),
     ("TPOT p95", ("tpot", "p95"), "ms"),
     ("TPOT p99", ("tpot", "p99"), "ms"),
+    ("TPOT std", ("tpot", "std"), "ms"),
     ("ITL p99", ("itl", "p99"), "ms"),
     ("E2E p95", ("e2e", "p95"), "ms"),
     ("task time mean", ("task_time_s", "mean"), "s"),
@@ -41,7 +42,7 @@ FIGURES: list[tuple[str, tuple[str, ...], str]] = [
 ]
 
 
-def _get(figures: dict[str, Any], path: tuple[str, ...]) -> float | None:
+def get(figures: dict[str, Any], path: tuple[str, ...]) -> float | None:
     node: Any = figures
     for key in path:
         if not isinstance(node, dict) or key not in node:
@@ -58,7 +59,7 @@ def ratios(figures: dict[str, Any], reference: dict[str, Any]) -> dict[str, floa
     """``figure / reference figure`` for every row of :data:`FIGURES` (None when undefined)."""
     out: dict[str, float | None] = {}
     for _, path, _ in FIGURES:
-        a, b = _get(figures, path), _get(reference, path)
+        a, b = get(figures, path), get(reference, path)
         out[_key(path)] = a / b if a is not None and b else None
     return out
 
@@ -74,9 +75,8 @@ def build(systems: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str,
         raise ValueError("no system was benchmarked")
     ref = reference_of(systems)
     policies = {name: {**figs, "ratios": ratios(figs, systems[ref])} for name, figs in systems.items()}
-    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": platform.machine(),
-            "platform": platform.platform(), "cpus": os.cpu_count(),
-            "loadavg_1_5_15": list(os.getloadavg()), **meta}  # a busy machine skews every figure
+    # the machine and its load: a busy machine skews every figure
+    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **machine.describe(), **meta}
     return {"meta": meta, "reference": ref, "policies": policies}
 
 
@@ -107,7 +107,7 @@ def table(report: dict[str, Any]) -> Table:
         t.add_column(name, justify="right")
     for label, path, unit in FIGURES:
         cells = [
-            _cell(_get(figs, path), unit, figs["ratios"].get(_key(path)), name == ref)
+            _cell(get(figs, path), unit, figs["ratios"].get(_key(path)), name == ref)
             for name, figs in report["policies"].items()
         ]
         t.add_row(label, *cells)

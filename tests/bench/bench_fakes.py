@@ -146,3 +146,94 @@ class ThreadedServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         self.loop.close()
+
+
+# ---- made-up runs, reports and sweeps (for the sweep, plot and paper-report tests) ----
+
+def fake_request(sent: float, ttft: float, tpot: float, n: int = 4, kind: str = "resume", agent: int = 0):
+    """A finished request: first token ``ttft`` after ``sent``, then ``n - 1`` tokens ``tpot`` apart."""
+    from agentserve.bench.metrics import RequestRecord
+
+    chunks = [(sent + ttft + k * tpot, 1) for k in range(n)]
+    return RequestRecord(agent, 0, 0 if kind == "cold" else 1, kind, 30, n, sent, chunks)
+
+
+def fake_run(ttfts: list[float], tpots: list[float], elapsed: float = 10.0, start: float = 0.0,
+             cold_every: int = 4):
+    """A run of one request per (TTFT, TPOT) pair, sent 0.1 s apart; every ``cold_every``-th is cold."""
+    from agentserve.bench.metrics import RunRecord
+
+    reqs = [fake_request(start + 0.1 * i, a, b, kind="cold" if i % cold_every == 0 else "resume")
+            for i, (a, b) in enumerate(zip(ttfts, tpots, strict=True))]
+    return RunRecord(start, start + elapsed, reqs)
+
+
+def fake_figures(slo_att: float = 0.9, ttft_p95: float = 300.0, tpot_p95: float = 30.0, tput: float = 70.0,
+                 **extra: float) -> dict:
+    """Per-system figures in ``bench.metrics.aggregate``'s shape, with chosen values (ms, tok/s)."""
+    return {
+        "requests": 100, "errors": 0,
+        "ttft": {"p50": ttft_p95 / 2, "p95": ttft_p95, "p99": ttft_p95 * 1.2, "std": extra.get("ttft_std", 50.0)},
+        "ttft_cold": {"p95": extra.get("ttft_cold_p95", ttft_p95 * 3)},
+        "ttft_resume": {"p95": extra.get("ttft_resume_p95", ttft_p95)},
+        "tpot": {"p50": tpot_p95 / 2, "p95": tpot_p95, "p99": tpot_p95 * 1.3, "std": extra.get("tpot_std", 5.0)},
+        "throughput_tok_s": tput, "slo_attainment": slo_att,
+        "ttft_slo_attainment": extra.get("ttft_att", min(1.0, slo_att + 0.05)),
+        "tpot_slo_attainment": extra.get("tpot_att", min(1.0, slo_att + 0.02)), "goodput": extra.get("goodput", 1.0),
+    }
+
+
+FAKE_MACHINE = {"cpu_model": "Fake CPU 9000", "cpu_flags": ["avx2", "avx512f"], "cpus": 2, "machine": "x86_64",
+                "gpus": [], "loadavg_1_5_15": [1.0, 1.1, 1.2]}
+
+
+def fake_point(agents: int, systems: dict[str, dict], workload: str = "react") -> dict:
+    """A single-count report (``bench.report.build``'s shape) with a fixed, made-up machine and date."""
+    from agentserve.bench import report
+
+    meta = {"workload": workload, "agents": agents, "duration_s": 20.0, "warmup_s": 0.0, "model": "tiny",
+            "repeats": 1, "slo": {"ttft_ms": 2000.0, "tpot_ms": 100.0}, "failed": [],
+            "command": "agentserve bench --agents 1,2", **FAKE_MACHINE}
+    rep = report.build(systems, meta)
+    rep["meta"]["date"] = "2026-12-01T10:00:00Z"
+    return rep
+
+
+def fake_sweep(by_count: dict[int, dict[str, dict]], workload: str = "react", failed: dict | None = None) -> dict:
+    """A sweep JSON from ``{agents: {system: figures}}``."""
+    from agentserve.bench import sweep_report
+
+    points = [fake_point(n, systems, workload) for n, systems in by_count.items()]
+    return sweep_report.build(points, {"failed": failed or {}, "finished": "2026-12-01T11:00:00Z"})
+
+
+class FakeLaunches:
+    """``launch(system, spec)`` for ``sweep.execute``: records every start and stop, yields the system name.
+
+    ``fail`` maps (system, agents) to the number of launches that fail at that count (``None``: all)."""
+
+    def __init__(self, fail: dict | None = None) -> None:
+        self.log: list[tuple[str, str, int, int]] = []  # (event, system, agents, seed)
+        self.fail = dict(fail or {})
+        self.running = 0
+
+    def __call__(self, system, spec):
+        import contextlib
+
+        @contextlib.contextmanager
+        def server():
+            key = (system, spec.agents)
+            if key in self.fail and self.fail[key] != 0:
+                self.fail[key] = None if self.fail[key] is None else self.fail[key] - 1
+                self.log.append(("refused", system, spec.agents, spec.seed))
+                raise RuntimeError(f"{system} would not start")
+            assert self.running == 0, "two servers at once"
+            self.running += 1
+            self.log.append(("start", system, spec.agents, spec.seed))
+            try:
+                yield system
+            finally:
+                self.running -= 1
+                self.log.append(("stop", system, spec.agents, spec.seed))
+
+        return server()

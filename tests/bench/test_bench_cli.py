@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import sys
 
 import pytest
-from bench_fakes import ThreadedServer
+from bench_fakes import FakeDriver, FakeLaunches, ThreadedServer
 from click.testing import CliRunner
 
-from agentserve.bench import servers
+from agentserve.bench import runner, servers
 from agentserve.bench.workload import load_spec
 from agentserve.cli.bench import bench, context_per_agent
 
@@ -88,3 +90,83 @@ def test_llama_context_fits_the_longest_task():
     spec = load_spec("plan-execute")
     assert context_per_agent(spec) >= 3500 + 5 * 421 + 6 * 64
     assert context_per_agent(spec) % 256 == 0
+
+
+def test_a_sweep_writes_a_row_per_agent_count_and_both_figures(tmp_path):
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    with ThreadedServer() as fake:
+        result = CliRunner().invoke(bench, [
+            "--target", fake.url, "--agents", "1,2", "--repeats", "2", "--duration", "0.6",
+            "--tool-latency-median", "0.05", "--steps", "2", "--json", str(out), "--plot", str(png),
+        ])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["meta"]["agents"] == [1, 2] and [r["agents"] for r in data["rows"]] == [1, 2]
+    for row in data["rows"]:
+        figs = row["systems"]["target"]
+        for key in ("slo_attainment", "ttft_slo_attainment", "tpot_slo_attainment", "goodput", "ttft_p95",
+                    "ttft_cold_p95", "ttft_resume_p95", "tpot_p95", "throughput_tok_s"):
+            assert figs[key] is not None, key
+        assert figs["requests"] > 0 and figs["ratios"]["tpot_p95"] == 1.0
+    assert [p["meta"]["agents"] for p in data["points"]] == [1, 2]
+    assert data["points"][1]["policies"]["target"]["elapsed_s"] >= 1.2  # both repeats pooled
+    assert "--agents 1,2" in data["meta"]["command"] and "--repeats 2" in data["meta"]["command"]
+    assert data["meta"]["plots"] == {"sweep": "s.png", "agents2": "s-agents2.png"}
+    for path in (png, tmp_path / "s-agents2.png"):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "sweep: 4/4 runs" in result.output and "left" in result.output
+    assert "2 agents · target (2/2)" in result.output
+    assert data["meta"]["cpu_flags"] is not None and "cpu_model" in data["meta"]
+    assert data["meta"]["date"] < data["meta"]["finished"]  # began before the runs, finished after
+    assert len(data["meta"]["loadavg_1_5_15"]) == 3 and len(data["meta"]["loadavg_end"]) == 3
+
+
+def _fake_targets(launches: FakeLaunches):
+    def launcher(model, server_args, *args, **kwargs):
+        def launch(name, spec):
+            @contextlib.contextmanager
+            def target():
+                with launches(name, spec):
+                    yield servers.Target(name, lambda: FakeDriver(token_s=0.0005))
+            return target()
+        return launch
+    return launcher
+
+
+def test_a_policy_sweep_starts_each_system_fresh_at_each_count_in_order(tmp_path, monkeypatch):
+    launches = FakeLaunches(fail={("llama-server", 2): None})
+    monkeypatch.setattr(runner, "launcher", _fake_targets(launches))
+    out = tmp_path / "s.json"
+    result = CliRunner().invoke(bench, [
+        "--policies", "agentserve,no-feedback,llama-server", "--agents", "1,2", "--duration", "0.3",
+        "--tool-latency-median", "0.02", "--steps", "2", "--seed", "5", "--json", str(out),
+    ])
+    assert result.exit_code != 0 and "llama-server" in result.output  # a failed system fails the command
+    assert [e[:4] for e in launches.log if e[0] != "stop"] == [
+        ("start", "agentserve", 1, 5), ("start", "no-feedback", 1, 5), ("start", "llama-server", 1, 5),
+        ("start", "agentserve", 2, 5), ("start", "no-feedback", 2, 5), ("refused", "llama-server", 2, 5)]
+    data = json.loads(out.read_text())  # written all the same, with the failure recorded
+    assert data["meta"]["failed"] == {"2": ["llama-server"]}
+    assert list(data["rows"][1]["systems"]) == ["agentserve", "no-feedback"]
+    assert data["systems"] == ["agentserve", "no-feedback", "llama-server"]
+
+
+def test_bad_policy_or_agent_list_is_refused_before_anything_runs():
+    result = CliRunner().invoke(bench, ["--policies", "agentserve,vllm"])
+    assert result.exit_code == 2 and "vllm" in result.output and "no-partition" in result.output
+    result = CliRunner().invoke(bench, ["--agents", "1,0"])
+    assert result.exit_code == 2 and "--agents" in result.output
+
+
+def test_each_point_launches_its_system_for_that_agent_count(monkeypatch):
+    calls = []
+    monkeypatch.setattr(servers, "llama_server", lambda *a: calls.append(("llama", *a)))
+    monkeypatch.setattr(servers, "agentserve", lambda *a: calls.append(("up", *a)))
+    launch = runner.launcher("tiny", ["--tpot-slo-ms", "80"])
+    spec = dataclasses.replace(load_spec("react"), agents=5)
+    launch("llama-server", spec)
+    launch("no-partition", spec)
+    assert calls == [("llama", "tiny", 5, context_per_agent(spec)),
+                     ("up", "tiny", "no-partition", ["--tpot-slo-ms", "80"])]
+    with pytest.raises(ValueError, match="--target"):
+        launch("target", spec)

@@ -1,4 +1,4 @@
-"""End to end: `agentserve bench` starts a real `agentserve up` (tiny model, 2 agents, 20 s)."""
+"""End to end: `agentserve bench` starts real `agentserve up` servers (tiny model): one count, then a short sweep."""
 
 from __future__ import annotations
 
@@ -27,3 +27,22 @@ def test_short_bench_against_a_real_server(tmp_path):
     assert figs["ttft_resume"]["count"] >= 1
     assert figs["tpot"]["p95"] > 0 and figs["throughput_tok_s"] > 0
     assert figs["ratios"]["tpot_p95"] == pytest.approx(1.0)
+
+
+def test_short_sweep_against_real_servers(tmp_path):
+    """Two agent counts x two policies, each a fresh `agentserve up` (about a minute on two busy cores)."""
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    exe = Path(sys.executable).with_name("agentserve")
+    cmd = [str(exe) if exe.is_file() else "agentserve", "bench", "--workload", "react", "--agents", "1,2",
+           "--policies", "agentserve,fcfs", "--duration", "5", "--model", "tiny", "--tool-latency-median", "0.2",
+           "--steps", "3", "--json", str(out), "--plot", str(png)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["agents"] for r in data["rows"]] == [1, 2] and data["meta"]["failed"] == {}
+    for row in data["rows"]:
+        assert set(row["systems"]) == {"agentserve", "fcfs"}
+        for figs in row["systems"].values():
+            assert figs["errors"] == 0 and figs["requests"] > 0
+            assert figs["tpot_p95"] > 0 and figs["throughput_tok_s"] > 0 and 0 <= figs["slo_attainment"] <= 1
+    assert png.is_file() and (tmp_path / "s-agents2.png").is_file()

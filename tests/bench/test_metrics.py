@@ -42,8 +42,9 @@ def test_single_token_request_has_no_tpot_and_is_judged_on_ttft():
 def test_summary_percentiles_interpolate_linearly():
     s = summary([1.0, 2.0, 3.0, 4.0, 5.0], scale=1000.0)
     # p95 of 5 values: rank 0.95 * 4 = 3.8 -> 4 + 0.8 * (5 - 4) = 4.8
+    # std: deviations -2, -1, 0, 1, 2 (x1000) -> sqrt(10 / 5) * 1000
     assert s == {"count": 5, "mean": 3000.0, "p50": 3000.0, "p95": pytest.approx(4800.0),
-                 "p99": pytest.approx(4960.0)}
+                 "p99": pytest.approx(4960.0), "std": pytest.approx(2 ** 0.5 * 1000.0)}
     assert summary([])["p95"] is None
 
 
