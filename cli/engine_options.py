@@ -14,7 +14,7 @@ def engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--dtype``, ``--weights`` and ``--device`` (unset: engine.toml's value)."""
     for flag in reversed((
         click.option("--dtype", default=None, help="auto | bfloat16 | float16 | float32"),
-        click.option("--weights", default=None, help="auto | dense | fp16 (fp16-packed matrices on CPU; engine.toml)"),
+        click.option("--weights", default=None, help="auto | dense | fp16 | hybrid (CPU matrix formats; engine.toml)"),
         click.option("--device", default=None, help="auto | cpu | cuda"),
     )):
         command = flag(command)

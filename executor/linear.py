@@ -4,15 +4,18 @@
   bf16; fp32 checkpoints by default).
 - :class:`PackedFp16Linear`: the weight packed once into FBGEMM's fp16 layout and applied to fp32
   activations with fp32 accumulation (``quantized::linear_dynamic_fp16``, the kernel behind PyTorch's
-  dynamic fp16 quantization).  Half the bytes of fp32 and a kernel built for the few-row products of
-  decode: on 2 AVX2 cores a ``bench``-model decode step of 4 sequences at 3k context takes about 0.7x the
-  time of ``F.linear`` on fp32 weights, the lm_head product ~4x less.
+  dynamic fp16 quantization).  Half the bytes of fp32 and a kernel built for the few-row products of decode.
+- :class:`HybridLinear` (CPUs with native bf16 dot products): the packed fp16 matrix for products of at
+  most ``HYBRID_ROWS`` rows (decode: exact, as above) and the checkpoint's bf16 matrix for longer ones
+  (prefill: the activations are rounded to bf16 for the product, which oneDNN runs on the CPU's bf16
+  units with fp32 accumulation; the result is fp32 again).  Twice the weight memory of either alone.
 
 Which one a matrix gets (:func:`choose_format`) under the ``weights`` setting: ``dense`` always dense;
-``fp16`` packs every matrix; ``auto`` packs on a CPU running fp32 when the checkpoint stored the matrix in
-16 bits and every value is within fp16's range.  That loses nothing but fp16 subnormals: a bf16 value
-(8 significant bits) of magnitude 2^-14 .. 65504 is exactly an fp16 (11 significant bits); below 2^-14 it
-rounds by at most 2^-25.
+``fp16`` packs every matrix; ``hybrid`` makes every matrix hybrid; ``auto``, on a CPU running fp32 when the
+checkpoint stored the matrix in 16 bits and every value is within fp16's range, packs it — as a hybrid
+where the CPU has native bf16 and the checkpoint stored bf16, else fp16 only.  Packing loses nothing but
+fp16 subnormals: a bf16 value (8 significant bits) of magnitude 2^-14 .. 65504 is exactly an fp16 (11
+significant bits); below 2^-14 it rounds by at most 2^-25.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import torch.nn.functional as F
 
 from agentserve.executor.errors import EngineError
 
-WEIGHTS_SETTINGS = ("auto", "dense", "fp16")  # what a user asks for; a matrix ends up dense or fp16
+WEIGHTS_SETTINGS = ("auto", "dense", "fp16", "hybrid")  # what a user asks for; a matrix ends up as one of the rest
 FP16_MAX = 65504.0
+HYBRID_ROWS = 32  # a hybrid matrix runs products of at most this many rows packed fp16, longer ones in bf16
 
 
 class Linear(Protocol):
@@ -66,6 +70,34 @@ class PackedFp16Linear:
         return self._nbytes
 
 
+class HybridLinear:
+    """Few rows: the packed fp16 product on fp32 activations; many rows: a bf16 product, returned in fp32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = HYBRID_ROWS) -> None:
+        self.packed = PackedFp16Linear(weight, bias)
+        self.weight16 = weight.to(torch.bfloat16)
+        self.bias = None if bias is None else bias.float()
+        self.rows = rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.rows:
+            return self.packed(x)
+        y = F.linear(x.to(torch.bfloat16), self.weight16).float()
+        return y if self.bias is None else y.add_(self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        """What a product streams: the packed matrix for decode-sized products (the bf16 one is the same size)."""
+        return self.packed.nbytes
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX); otherwise bf16 matmuls crawl."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
 @functools.cache
 def fp16_packing_available() -> bool:
     """True when this PyTorch has FBGEMM's fp16 linear (x86-64 builds) and it runs on this CPU."""
@@ -86,13 +118,13 @@ def _known(weights: str) -> None:
 def check_weights(weights: str, device: torch.device, dtype: torch.dtype) -> None:
     """Fail early for a ``weights`` setting this device, dtype or build cannot run."""
     _known(weights)
-    if weights != "fp16":
+    if weights not in ("fp16", "hybrid"):
         return
     if device.type != "cpu" or dtype != torch.float32:
-        raise EngineError(f"weights fp16 (packed for FBGEMM) needs device cpu and dtype float32, "
+        raise EngineError(f"weights {weights} (packed for FBGEMM) needs device cpu and dtype float32, "
                           f"not {device.type} {str(dtype).removeprefix('torch.')}")
     if not fp16_packing_available():
-        raise EngineError("weights fp16 needs FBGEMM (an x86-64 PyTorch build on an AVX2 CPU); use dense")
+        raise EngineError(f"weights {weights} needs FBGEMM (an x86-64 PyTorch build on an AVX2 CPU); use dense")
 
 
 def choose_format(weights: str, stored: torch.dtype, weight: torch.Tensor) -> str:
@@ -104,9 +136,13 @@ def choose_format(weights: str, stored: torch.dtype, weight: torch.Tensor) -> st
     if not cpu_fp32 or stored.itemsize != 2 or not fp16_packing_available():
         return "dense"
     lo, hi = torch.aminmax(weight)
-    return "dense" if max(-lo.item(), hi.item()) > FP16_MAX else "fp16"
+    if max(-lo.item(), hi.item()) > FP16_MAX:
+        return "dense"
+    return "hybrid" if stored == torch.bfloat16 and cpu_has_fast_bf16() else "fp16"
 
 
 def make_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     """A matrix in the format :func:`choose_format` picked; tensors already in the model dtype."""
+    if fmt == "hybrid":
+        return HybridLinear(weight, bias)
     return PackedFp16Linear(weight, bias) if fmt == "fp16" else DenseLinear(weight, bias)

@@ -14,7 +14,7 @@ from agentserve.executor.checkpoint import ModelConfig
 from agentserve.executor.errors import CheckpointError
 from agentserve.executor.kv_cache import KVCache
 from agentserve.executor.layers import Rotary, rms_norm, silu_mul
-from agentserve.executor.linear import DenseLinear, Linear, choose_format, make_linear
+from agentserve.executor.linear import DenseLinear, HybridLinear, Linear, choose_format, make_linear
 
 
 @dataclass
@@ -104,6 +104,8 @@ class DecoderModel:
         head = w.as_linear(stored.dtype, embed, None)
         if isinstance(head, DenseLinear) or narrow is None:
             return embed, head
+        if isinstance(head, HybridLinear) and narrow.dtype == head.weight16.dtype:
+            head.weight16 = narrow  # the table is the head's bf16 matrix: one copy
         return narrow, head
 
     def _layer(self, w: _Weights, i: int) -> Layer:

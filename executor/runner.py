@@ -65,19 +65,14 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX); otherwise bf16 matmuls crawl."""
-    cpu = torch.cpu
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
-
-
 def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torch.dtype:
-    """``auto``: the checkpoint's bf16/fp16 on CUDA (else bf16); on CPU bf16 where it is native, else fp32."""
+    """``auto``: the checkpoint's bf16/fp16 on CUDA (else bf16); fp32 activations on CPU — where the CPU has
+    native bf16, its bf16 units still run the prefill products (``weights = auto`` makes 16-bit matrices
+    hybrid, :mod:`.linear`), while decode keeps the packed fp16 products and the compiled fp32 kernel."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.float16 if config.torch_dtype == "float16" else torch.bfloat16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        return torch.float32
     if dtype not in DTYPES:
         raise EngineError(f"unknown dtype {dtype!r}; use auto, bfloat16, float16 or float32")
     if DTYPES[dtype] == torch.float16 and device.type == "cpu":

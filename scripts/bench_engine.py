@@ -153,7 +153,7 @@ def main() -> None:
     ap.add_argument("--model", default="bench", help="checkpoint folder or built-in name (tiny, bench)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--weights", default="auto", help="auto | dense | fp16 (see configs/engine.toml)")
+    ap.add_argument("--weights", default="auto", help="auto | dense | fp16 | hybrid (see configs/engine.toml)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = all cores)")
     ap.add_argument("--repeats", type=int, default=3, help="timed prefill runs per size (median)")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size (median)")

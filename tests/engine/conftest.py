@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import SPECS, build_hf_model, hf_greedy, random_prompts, save_checkpoint
-
-PROMPT_LENGTHS = [5, 17, 40, 70]
-MAX_NEW = 64
+from engine_helpers import MAX_NEW, PROMPT_LENGTHS, SPECS, build_hf_model, hf_greedy, random_prompts, save_checkpoint
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,8 @@ import transformers
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
 VOCAB = 300
+PROMPT_LENGTHS = [5, 17, 40, 70]  # each architecture case's prompts
+MAX_NEW = 64  # tokens generated in the oracle comparisons
 REL_TOL = 1e-4  # max |got - ref| / max |ref| for fp32 logits against transformers
 COMMON = dict(
     hidden_size=64,

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MAX_NEW
-from engine_helpers import ARCH, REL_TOL, GreedyDriver, greedy_generate, hf_greedy, hf_logits, random_prompts, rel_err
+from engine_helpers import (
+    ARCH,
+    MAX_NEW,
+    REL_TOL,
+    GreedyDriver,
+    greedy_generate,
+    hf_greedy,
+    hf_logits,
+    random_prompts,
+    rel_err,
+)
 
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 

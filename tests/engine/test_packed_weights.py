@@ -1,4 +1,5 @@
-"""Packed fp16 weights (FBGEMM) against transformers on the same weights, and the format choice."""
+"""Packed fp16 weights (FBGEMM) and hybrid fp16/bf16 weights against transformers on the same weights, and
+the format choice on both CPU classes (with and without native bf16)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import MAX_NEW
 from engine_helpers import (
     COMMON,
+    MAX_NEW,
     REL_TOL,
     GreedyDriver,
     greedy_generate,
@@ -21,11 +22,20 @@ from engine_helpers import (
 )
 
 from agentserve.executor.errors import EngineError
-from agentserve.executor.linear import PackedFp16Linear, choose_format, fp16_packing_available
+from agentserve.executor.linear import (
+    HYBRID_ROWS,
+    HybridLinear,
+    PackedFp16Linear,
+    choose_format,
+    cpu_has_fast_bf16,
+    fp16_packing_available,
+)
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
 needs_fbgemm = pytest.mark.skipif(not fp16_packing_available(), reason="no FBGEMM fp16 linear in this build/CPU")
 F32 = torch.float32
+AUTO_16BIT = "hybrid" if cpu_has_fast_bf16() else "fp16"  # what auto makes of a bf16 checkpoint's matrices here
+BF16_TOL = 3e-2  # prefill logits through bf16 products (activations rounded to 8 significant bits)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +66,27 @@ def test_packed_linear_is_fp16_rounded_weight_in_fp32(rows, with_bias):
 
 
 @needs_fbgemm
+@pytest.mark.parametrize("rows", [1, HYBRID_ROWS, HYBRID_ROWS + 1, 200])
+def test_hybrid_linear_is_packed_fp16_for_few_rows_and_bf16_for_many(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g).bfloat16().float()  # a bf16 checkpoint's matrix
+    b, x = torch.randn(96, generator=g), torch.randn(rows, 40, generator=g)
+    lin = HybridLinear(w, b)
+    got = lin(x)
+    assert got.dtype == F32 and got.shape == (rows, 96)
+    if rows <= HYBRID_ROWS:  # exactly the packed product: fp32 activations, lossless weights
+        assert torch.equal(got, PackedFp16Linear(w, b)(x))
+    else:  # activations and product rounded to bf16 (fp32 accumulation inside), then the fp32 bias
+        ref = F.linear(x.bfloat16().float(), w)
+        assert torch.allclose(got - b, ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+        assert not torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_fbgemm
 def test_bf16_checkpoint_runs_packed_and_matches_transformers(case, bf16_checkpoints):
     path, hf = bf16_checkpoints[case.name]
-    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64)
-    assert runner.weight_format == "fp16"  # auto: 16-bit matrices on an fp32 CPU runner are packed
+    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64, weights="fp16")
+    assert runner.weight_format == "fp16"  # 16-bit matrices on an fp32 CPU runner, packed
     assert runner.model.embed.dtype == torch.bfloat16  # the lookup table stays as stored (tied or not)
     assert greedy_generate(runner, case.prompts, MAX_NEW) == [hf_greedy(hf, p, MAX_NEW) for p in case.prompts]
     a, b = case.prompts[3], case.prompts[1]
@@ -88,6 +115,24 @@ def test_forced_fp16_on_fp32_checkpoint_matches_fp16_rounded_transformers(cases)
     assert rel_err(got, hf_logits(case.hf, tokens)) > REL_TOL  # fp16 rounding is visible: the test can fail
 
 
+@needs_fbgemm
+def test_hybrid_runner_decodes_exactly_and_prefills_within_bf16_tolerance(case, bf16_checkpoints):
+    """``weights = hybrid`` (``auto``'s choice on CPUs with native bf16; forced here on either class): short
+    prompts never leave the packed path, so greedy generation equals transformers'; a long prefill runs bf16
+    products, its logits within ``BF16_TOL``; a decode step after it is the packed product again."""
+    path, hf = bf16_checkpoints[case.name]
+    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64, weights="hybrid")
+    assert runner.weight_format == "hybrid" and runner.dtype == F32
+    for prompt in (p[:HYBRID_ROWS] for p in case.prompts):  # one prefill each: at most HYBRID_ROWS rows
+        assert greedy_generate(runner, [prompt], 8) == [hf_greedy(hf, prompt, 8)]
+    long = case.prompts[3]  # 70 tokens: one prefill of more than HYBRID_ROWS rows
+    got = runner.prefill([PrefillChunk(long, 0, list(range(8)))], all_logits=True)[0]
+    ref = hf_logits(hf, long)
+    assert REL_TOL < rel_err(got, ref) < BF16_TOL  # the bf16 products are visible, and small
+    dec = runner.decode([DecodeItem(7, len(long), list(range(8)))])[0]
+    assert rel_err(dec, hf_logits(hf, long + [7])[-1]) < BF16_TOL
+
+
 def test_auto_keeps_fp32_checkpoints_and_bf16_runners_dense(cases, bf16_checkpoints):
     case = cases["llama_tied"]
     dense = ModelRunner(case.path, dtype="float32", device="cpu", num_blocks=2)
@@ -111,9 +156,10 @@ def test_untied_dense_runner_looks_up_a_bf16_table_exactly(bf16_checkpoints):
 
 def test_auto_keeps_values_outside_fp16_range_dense():
     big, small = torch.tensor([[1.0, 70000.0]]), torch.tensor([[1.0, 60000.0]])
-    expected = "fp16" if fp16_packing_available() else "dense"
+    expected = AUTO_16BIT if fp16_packing_available() else "dense"
     assert choose_format("auto", torch.bfloat16, big) == "dense"
     assert choose_format("auto", torch.bfloat16, small) == expected
+    assert choose_format("auto", torch.float16, small) == ("fp16" if fp16_packing_available() else "dense")
     assert choose_format("auto", torch.float32, small) == "dense"  # an fp32 checkpoint is not rounded
     assert choose_format("auto", torch.bfloat16, small.bfloat16()) == "dense"  # a bf16 runner
     assert choose_format("dense", torch.bfloat16, small) == "dense"
@@ -131,7 +177,7 @@ def test_packed_llama_with_attention_and_mlp_biases_matches_transformers(tmp_pat
             p.normal_(0.0, 0.15)
     model.save_pretrained(tmp_path / "biases")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "biases", dtype=torch.float32).eval()
-    runner = ModelRunner(tmp_path / "biases", dtype="float32", device="cpu", num_blocks=8)
+    runner = ModelRunner(tmp_path / "biases", dtype="float32", device="cpu", num_blocks=8, weights="fp16")
     assert runner.weight_format == "fp16" and runner.model.embed.dtype == torch.bfloat16  # no wide copy kept
     tokens = random_prompts([40], seed=5)[0]
     got = runner.prefill([PrefillChunk(tokens, 0, list(range(8)))], all_logits=True)[0]

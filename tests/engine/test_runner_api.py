@@ -8,7 +8,7 @@ from engine_helpers import hf_logits
 
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
 from agentserve.executor.kv_cache import KVCache, bytes_per_block
-from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk, cpu_has_fast_bf16
+from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_runner_kv_budget_and_attributes(cases):
 def test_dtype_choice(cases):
     path = cases["llama_tied"].path
     auto = ModelRunner(path, device="cpu", num_blocks=2)
-    assert auto.dtype == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
+    assert auto.dtype == torch.float32  # on a CPU: fp32 activations (bf16 products where native: weights=auto)
     with pytest.raises(EngineError, match="float16"):
         ModelRunner(path, dtype="float16", device="cpu", num_blocks=2)
     with pytest.raises(EngineError, match="unknown dtype"):
