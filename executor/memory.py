@@ -30,11 +30,12 @@ SHARED_POOL = "backend:cudaMallocAsync"
 ALLOCATOR_ENV = "AGENTSERVE_CUDA_ALLOCATOR"  # shared (default) | native
 
 
-def configure_cuda_allocator(environ: MutableMapping[str, str] | None = None, torch_version: str = "") -> str:
+def configure_cuda_allocator(environ: MutableMapping[str, str] | None = None) -> str:
     """Choose the shared pool before CUDA starts; return ``cudaMallocAsync``, ``native`` or ``user``.
 
-    Must run before the first CUDA allocation of the process (the backend is fixed then).  torch >= 2.9
-    reads ``PYTORCH_ALLOC_CONF``, older versions ``PYTORCH_CUDA_ALLOC_CONF``."""
+    Must run before the first CUDA allocation of the process (the backend is fixed then).  It sets
+    ``PYTORCH_CUDA_ALLOC_CONF``: torch >= 2.9 prefers the name ``PYTORCH_ALLOC_CONF`` but, at least through
+    2.11, applies CUDA-only keys only from the old name (pytorch#183387); the cost is a deprecation warning."""
     env = os.environ if environ is None else environ
     choice = env.get(ALLOCATOR_ENV, "shared")
     if choice not in ("shared", "native"):
@@ -43,12 +44,7 @@ def configure_cuda_allocator(environ: MutableMapping[str, str] | None = None, to
         return "user"
     if choice == "native":
         return "native"
-    if not torch_version:
-        import torch
-
-        torch_version = torch.__version__
-    major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
-    env["PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 9) else "PYTORCH_CUDA_ALLOC_CONF"] = SHARED_POOL
+    env["PYTORCH_CUDA_ALLOC_CONF"] = SHARED_POOL
     return "cudaMallocAsync"
 
 

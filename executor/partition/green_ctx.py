@@ -44,6 +44,22 @@ GREEN_STREAM = ("cuGreenCtxStreamCreate",)
 CTX_STREAM = ("cuCtxFromGreenCtx", "cuCtxPushCurrent", "cuCtxPopCurrent", "cuStreamCreateWithPriority")
 
 
+def read_granularity(drv: Any, dev: Any, sm: Any) -> tuple[Granularity, str]:
+    """Legal partition sizes from the SM resource, else the documented compute-capability table; and a note."""
+    min_size = int(getattr(sm, "minSmPartitionSize", 0) or 0)
+    align = int(getattr(sm, "smCoscheduledAlignment", 0) or 0)
+    if min_size and align:
+        return Granularity(min_size, align, "driver"), f"min {min_size} SMs, alignment {align} (queried)"
+    attr = drv.CUdevice_attribute
+    major = int(call(drv, "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))
+    minor = int(call(drv, "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))
+    gran = granularity_from_cc(major, minor)
+    return gran, (
+        f"min {gran.min_size} SMs, alignment {gran.align} from the documented CC {major}.{minor} table "
+        "(the SM resource lacks minSmPartitionSize/smCoscheduledAlignment: bindings or driver older than 13.0)"
+    )
+
+
 class GreenCtxBackend(StreamBackend):
     name = "green-ctx"
     unit = "SMs"
@@ -80,7 +96,7 @@ class GreenCtxBackend(StreamBackend):
         self._cuda.ensure_context()  # the primary context exists before any green context
         resource = call(drv, "cuDeviceGetDevResource", dev, drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
         total = int(resource.sm.smCount)
-        gran, gran_note = self._granularity(dev, resource.sm)
+        gran, gran_note = read_granularity(drv, dev, resource.sm)
         splits, notes = self._plan(resource, total, gran, shares)
         if not splits:
             raise BackendUnavailable(f"no partitioned rung could be formed: {'; '.join(notes) or 'device too small'}")
@@ -115,21 +131,6 @@ class GreenCtxBackend(StreamBackend):
     def _device_name(self, dev: Any) -> str:
         raw = call(self._drv, "cuDeviceGetName", 256, dev)
         return raw.split(b"\0", 1)[0].decode(errors="replace") if isinstance(raw, bytes) else str(raw)
-
-    def _granularity(self, dev: Any, sm: Any) -> tuple[Granularity, str]:
-        min_size = int(getattr(sm, "minSmPartitionSize", 0) or 0)
-        align = int(getattr(sm, "smCoscheduledAlignment", 0) or 0)
-        if min_size and align:
-            return Granularity(min_size, align, "driver"), f"min {min_size} SMs, alignment {align} (queried)"
-        attr = self._drv.CUdevice_attribute
-        major = int(call(self._drv, "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))
-        minor = int(call(self._drv, "cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))
-        gran = granularity_from_cc(major, minor)
-        return gran, (
-            f"min {gran.min_size} SMs, alignment {gran.align} from the documented CC {major}.{minor} table "
-            "(the SM resource lacks minSmPartitionSize/smCoscheduledAlignment: "
-            "bindings or driver older than 13.0)"
-        )
 
     def _plan(
         self, resource: Any, total: int, gran: Granularity, shares: tuple[float, ...]

@@ -21,6 +21,10 @@ class StreamBackend(PartitionBackend):
     _cuda: TorchCuda
     _streams: dict[int, dict[Lane, Any]]
 
+    def stream_for(self, lane: Lane, rung: int) -> Any:
+        """The torch stream ``lane`` runs on at rung ``rung`` (for measurements; lanes bind instead)."""
+        return self._streams[self.rung(rung).index][Lane(lane)]
+
     @contextmanager
     def _bind(self, lane: Lane, rung: Rung) -> Iterator[LaneBinding]:
         stream = self._streams[rung.index][lane]

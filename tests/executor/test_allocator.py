@@ -10,30 +10,25 @@ from agentserve.executor.memory import SHARED_POOL, configure_cuda_allocator
 
 
 def test_shared_pool_is_chosen_when_nothing_is_set() -> None:
+    """Through the old variable name: the only one torch 2.9-2.11 reads CUDA-only keys from (pytorch#183387)."""
     env: dict[str, str] = {}
-    assert configure_cuda_allocator(env, "2.11.0+cu130") == "cudaMallocAsync"
-    assert env == {"PYTORCH_ALLOC_CONF": SHARED_POOL}
-
-
-def test_older_torch_reads_the_older_variable() -> None:
-    env: dict[str, str] = {}
-    configure_cuda_allocator(env, "2.6.0+cu124")
+    assert configure_cuda_allocator(env) == "cudaMallocAsync"
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": SHARED_POOL}
 
 
 @pytest.mark.parametrize("var", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
 def test_a_users_allocator_setting_wins(var: str) -> None:
     env = {var: "expandable_segments:True"}
-    assert configure_cuda_allocator(env, "2.11.0") == "user"
+    assert configure_cuda_allocator(env) == "user"
     assert env == {var: "expandable_segments:True"}
 
 
 def test_native_allocator_on_request() -> None:
     env = {"AGENTSERVE_CUDA_ALLOCATOR": "native"}
-    assert configure_cuda_allocator(env, "2.11.0") == "native"
-    assert "PYTORCH_ALLOC_CONF" not in env
+    assert configure_cuda_allocator(env) == "native"
+    assert env == {"AGENTSERVE_CUDA_ALLOCATOR": "native"}
     with pytest.raises(ValueError, match="AGENTSERVE_CUDA_ALLOCATOR"):
-        configure_cuda_allocator({"AGENTSERVE_CUDA_ALLOCATOR": "slab"}, "2.11.0")
+        configure_cuda_allocator({"AGENTSERVE_CUDA_ALLOCATOR": "slab"})
 
 
 def test_executor_configures_the_allocator_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -478,9 +478,8 @@ class Gpu:
         """The SM ids the decode and prefill streams of ``rung`` can run on."""
         from agentserve.protocol.lanes import Lane
 
-        streams = backend._streams[rung]
         everything = frozenset(range(self.sms))
         return tuple(  # type: ignore[return-value]
             s.handle.sms if isinstance(s.handle, Handle) else everything
-            for s in (streams[Lane.DECODE], streams[Lane.PREFILL])
+            for s in (backend.stream_for(Lane.DECODE, rung), backend.stream_for(Lane.PREFILL, rung))
         )
