@@ -161,7 +161,12 @@ class Executor:
         green contexts: without this the first step on each rung would pay for it."""
         for rung in self.backend.ladder:
             for lane in Lane:
-                self.lanes[lane].submit(self._warm_step, rung=rung.index).result()
+                try:
+                    self.lanes[lane].submit(self._warm_step, rung=rung.index).result()
+                except Exception as e:
+                    if is_sticky_cuda_error(e):
+                        raise DeviceFault(f"sticky CUDA error warming rung {rung.index}, {lane.name}: {e}") from e
+                    raise
 
     def _warm_step(self, binding: LaneBinding) -> None:
         with self.backend.step_scope(binding, 4):
@@ -218,7 +223,9 @@ class Executor:
                 log.info("reconfigure %s (rungs are chosen per plan)", msg)
             elif isinstance(msg, Shutdown):
                 return msg.reason or "shutdown requested"
-        raise DeviceFault(f"sticky CUDA error: {self.fault}") from self.fault
+        fault = DeviceFault(f"sticky CUDA error: {self.fault}")
+        fault.reported = True  # the fatal ExecError went out with the failed step
+        raise fault from self.fault
 
 
 def _raise_on_signal(signum: int, frame: object) -> None:
@@ -242,6 +249,8 @@ def run_executor(opts: ExecutorOptions) -> int:
         return 0
     except DeviceFault as e:  # the context is poisoned: no teardown call may touch the device again
         log.critical("executor exits after a device fault: %s", e)
+        if not getattr(e, "reported", False):
+            _try_send(pair, ExecError(str(e), fatal=True))
         backend = None
         return 3
     except (EngineError, ValueError) as e:

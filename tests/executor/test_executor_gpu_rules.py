@@ -105,21 +105,22 @@ def test_sticky_cuda_error_ends_the_executor(runner: ModelRunner, monkeypatch) -
         except BaseException as e:  # noqa: BLE001 - the test inspects it
             outcome.append(e)
 
-    t = threading.Thread(target=serve)
+    t = threading.Thread(target=serve, daemon=True)
     t.start()
-    pair.wait_for(Ready)
-    pair.inbox.put(_plan(1, 0))
-    err = pair.wait_for(ExecError)
-    assert err.fatal and err.step == 1 and err.seq_ids == [0] and "illegal memory access" in err.message
-    pair.inbox.put(_plan(2, 1))  # would run on a poisoned context
-    t.join(5)
-    if t.is_alive():
+    try:
+        pair.wait_for(Ready)
+        pair.inbox.put(_plan(1, 0))
+        err = pair.wait_for(ExecError)
+        assert err.fatal and err.step == 1 and err.seq_ids == [0] and "illegal memory access" in err.message
+        pair.inbox.put(_plan(2, 1))  # would run on a poisoned context
+        t.join(5)
+        assert not t.is_alive(), "the executor kept serving after a sticky CUDA error"
+        assert ran == [1]
+        assert isinstance(outcome[0], process.DeviceFault)
+    finally:
         pair.inbox.put(Shutdown("test over"))
         t.join(10)
-        pytest.fail("the executor kept serving after a sticky CUDA error")
-    assert ran == [1]
-    assert isinstance(outcome[0], process.DeviceFault)
-    backend.close()
+        backend.close()
 
 
 def test_ordinary_step_errors_keep_the_executor_alive(runner: ModelRunner, monkeypatch) -> None:
@@ -131,17 +132,19 @@ def test_ordinary_step_errors_keep_the_executor_alive(runner: ModelRunner, monke
     real = ex.step.run
     monkeypatch.setattr(ex.step, "run", lambda plan: (_ for _ in ()).throw(ValueError("bad plan"))
                         if plan.step == 1 else real(plan))
-    t = threading.Thread(target=ex.serve, args=("tiny",))
+    t = threading.Thread(target=ex.serve, args=("tiny",), daemon=True)
     t.start()
-    pair.wait_for(Ready)
-    pair.inbox.put(_plan(1, 0))
-    assert not pair.wait_for(ExecError).fatal
-    pair.inbox.put(_plan(2, 1))
-    assert pair.wait_for(Result).step == 2
-    pair.inbox.put(Shutdown("done"))
-    t.join(10)
+    try:
+        pair.wait_for(Ready)
+        pair.inbox.put(_plan(1, 0))
+        assert not pair.wait_for(ExecError).fatal
+        pair.inbox.put(_plan(2, 1))
+        assert pair.wait_for(Result).step == 2
+    finally:
+        pair.inbox.put(Shutdown("done"))
+        t.join(10)
+        backend.close()
     assert not t.is_alive()
-    backend.close()
 
 
 def test_run_executor_exits_nonzero_on_a_device_fault(monkeypatch) -> None:
@@ -186,3 +189,36 @@ def test_device_index_reaches_the_partition_backend(device: str, index: int, mon
     monkeypatch.setattr(process, "detect", fake_detect)
     assert process.run_executor(ExecutorOptions(run="r", model_dir="m", runner={"device": device})) == 2
     assert seen["cuda"].index == index
+
+
+def test_sticky_error_while_warming_is_a_device_fault(runner: ModelRunner, monkeypatch) -> None:
+    from agentserve.executor.partition.cpu_cores import CpuCoresBackend
+
+    backend = CpuCoresBackend()
+    ex = Executor(FakePair(), runner, backend)
+    monkeypatch.setattr(runner, "warm_up", lambda: (_ for _ in ()).throw(
+        RuntimeError("CUDA error: unspecified launch failure")))
+    with pytest.raises(process.DeviceFault, match="warming rung 0"):
+        ex.serve("tiny")
+    backend.close()
+
+
+def test_a_fault_before_ready_is_reported_once(monkeypatch) -> None:
+    import torch
+
+    pair = FakePair()
+
+    class Boom:
+        def __init__(self, *a, **k) -> None:
+            pass
+
+        def serve(self, model: str) -> str:
+            raise process.DeviceFault("sticky CUDA error warming rung 0, DECODE: illegal memory access")
+
+    monkeypatch.setattr(process.RingPair, "attach", staticmethod(lambda run, role: pair))
+    monkeypatch.setattr(process, "ModelRunner", lambda *a, **k: type("R", (), {"device": torch.device("cpu")})())
+    monkeypatch.setattr(process, "detect", lambda *a, **k: None)
+    monkeypatch.setattr(process, "Executor", Boom)
+    assert process.run_executor(ExecutorOptions(run="r", model_dir="m")) == 3
+    errors = [m for m in pair.sent if isinstance(m, ExecError)]
+    assert len(errors) == 1 and errors[0].fatal and "warming" in errors[0].message
