@@ -2,7 +2,7 @@
 
 Life cycle::
 
-    attach rings ─▶ load model + KV cache ─▶ detect partitions ─▶ warm every (rung, lane) ─▶ Ready ─▶ serve ─▶ close
+    attach rings ─▶ load model + KV cache ─▶ detect partitions ─▶ warm (GPU) ─▶ send Ready ─▶ serve ─▶ close
                          │ failure: ExecError(fatal) and exit 2
 
 ``serve`` reads the decision ring on the main thread and routes each message:
@@ -155,10 +155,13 @@ class Executor:
             self.send(ExecError(f"device fault (the executor restarts): {error}", plan.step, ids, fatal=True))
 
     def warm(self) -> None:
-        """One tiny step on every (rung, lane), one at a time, ending on the top rung.
+        """On a GPU, one tiny step on every (rung, lane), one at a time, ending on the top rung.
 
         CUDA loads kernels per context on first launch, and each partitioned rung is its own pair of
-        green contexts: without this the first step on each rung would pay for it."""
+        green contexts: without this the first step on each rung would pay for it.  CPU lanes have no
+        per-rung state to load, and their start-up stays as it was."""
+        if self.backend.unit != "SMs":
+            return
         for rung in self.backend.ladder:
             for lane in Lane:
                 try:

@@ -84,6 +84,20 @@ def test_every_rung_and_lane_is_warmed_before_ready(runner: ModelRunner, monkeyp
     assert not gpu.violations
 
 
+def test_cpu_lanes_are_not_warmed(runner: ModelRunner, monkeypatch) -> None:
+    """CPU start-up stays as it was: no per-context kernels to load."""
+    from agentserve.executor.partition.cpu_cores import CpuCoresBackend
+
+    backend = CpuCoresBackend()
+    calls: list[int] = []
+    monkeypatch.setattr(runner, "warm_up", lambda: calls.append(1))
+    pair = FakePair()
+    pair.inbox.put(Shutdown("test"))
+    Executor(pair, runner, backend).serve("tiny")
+    assert calls == []
+    backend.close()
+
+
 def test_sticky_cuda_error_ends_the_executor(runner: ModelRunner, monkeypatch) -> None:
     from agentserve.executor.partition.cpu_cores import CpuCoresBackend
 
@@ -192,9 +206,8 @@ def test_device_index_reaches_the_partition_backend(device: str, index: int, mon
 
 
 def test_sticky_error_while_warming_is_a_device_fault(runner: ModelRunner, monkeypatch) -> None:
-    from agentserve.executor.partition.cpu_cores import CpuCoresBackend
-
-    backend = CpuCoresBackend()
+    gpu = Gpu(64, (9, 0))
+    backend = GreenCtxBackend(gpu.drv, gpu.cuda)
     ex = Executor(FakePair(), runner, backend)
     monkeypatch.setattr(runner, "warm_up", lambda: (_ for _ in ()).throw(
         RuntimeError("CUDA error: unspecified launch failure")))
