@@ -68,14 +68,14 @@ def build_runner(device: str, shape: Shape, cfg: dict[str, Any] = LLAMA_1B, **ru
 
     from agentserve.executor import runner as runner_module
 
-    folder = Path(tempfile.mkdtemp(prefix="agentserve-probe-model-"))
-    (folder / "config.json").write_text(json.dumps(cfg))
     make = runner_module.load_weights
     runner_module.load_weights = lambda model_dir, *a, **k: random_weights(cfg, torch.device(device))
     try:
-        per_seq = -(-(shape.context + 64) // 16)
-        blocks = shape.batch * per_seq + -(-shape.prefill // 16) + 1
-        return runner_module.ModelRunner(folder, dtype="bfloat16", device=device, num_blocks=blocks, **runner_kw)
+        with tempfile.TemporaryDirectory(prefix="agentserve-probe-model-") as folder:
+            (Path(folder) / "config.json").write_text(json.dumps(cfg))
+            per_seq = -(-(shape.context + 64) // 16)
+            blocks = shape.batch * per_seq + -(-shape.prefill // 16) + 1
+            return runner_module.ModelRunner(folder, dtype="bfloat16", device=device, num_blocks=blocks, **runner_kw)
     finally:
         runner_module.load_weights = make
 
