@@ -1,4 +1,5 @@
-"""``agentserve doctor``: which partition backend this box gets and why, its ladder, and the versions."""
+"""``agentserve doctor``: which partition backend this box gets and why, its ladder, the versions, and
+what the GPU path is missing here with the command that gets it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import click
 
 from agentserve.executor.partition import ORDER, detect
 from agentserve.executor.partition.driver import CudaCallError, call, load_driver, version_str
+
+GREEN_MIN = (12, 4)  # green contexts need a driver for CUDA 12.4 (R550) or newer
+TORCH_WHEELS = "https://download.pytorch.org/whl/cu128 (or the cuXYZ your driver supports)"
 
 
 def _package_version(name: str) -> str:
@@ -44,13 +48,50 @@ def versions() -> dict[str, str]:
     return out
 
 
-def report(prefer: str | None = None) -> dict[str, Any]:
-    backend = detect(prefer)
+def _major_minor(version: str) -> tuple[int, int] | None:
+    parts = version.split("+", 1)[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    except ValueError:
+        return None
+
+
+def missing(v: dict[str, str]) -> list[dict[str, str]]:
+    """What the GPU path lacks here, each with the command or step that gets it (empty: nothing)."""
+    out: list[dict[str, str]] = []
+    if v["torch_cuda"] == "none":
+        out.append({"what": f"torch {v['torch']} is a CPU build",
+                    "fix": f"pip install torch --index-url {TORCH_WHEELS}"})
+    driver = _major_minor(v["cuda_driver"])
+    bindings = _major_minor(v["cuda_bindings"])
+    if bindings is None:
+        pin = f",<{driver[0] + 1}" if driver and driver[0] < 13 else ""
+        out.append({"what": "cuda-python (cuda-bindings) is not installed: no green contexts without it",
+                    "fix": f"pip install 'cuda-python>=12.4{pin}'"})
+    elif driver is None:
+        detail = v.get("cuda_driver_detail", "")
+        out.append({"what": f"no NVIDIA driver answered ({detail})" if detail else "no NVIDIA driver answered",
+                    "fix": "install the NVIDIA driver (R550 or newer for green contexts) on a machine with a GPU"})
+    elif bindings[0] > driver[0]:
+        out.append({"what": f"cuda-bindings {v['cuda_bindings']} is newer than the driver's CUDA {v['cuda_driver']}",
+                    "fix": f"pip install 'cuda-python>=12.4,<{driver[0] + 1}' (or upgrade the driver)"})
+    if driver is not None and driver < GREEN_MIN:
+        out.append({"what": f"the driver supports CUDA {v['cuda_driver']}; green contexts need 12.4",
+                    "fix": "upgrade the NVIDIA driver to R550 or newer"})
+    return out
+
+
+def report(prefer: str | None = None, *, device: int = 0, driver: Any = None, cuda: Any = None) -> dict[str, Any]:
+    """Detect the backend (seams ``driver``/``cuda`` for tests), describe it, close it; add versions and gaps."""
+    from agentserve.executor.partition.torch_cuda import TorchCuda
+
+    backend = detect(prefer, driver=driver, cuda=cuda or TorchCuda(device))
     try:
         info = backend.describe()
     finally:
         backend.close()
     info["versions"] = versions()
+    info["missing"] = missing(info["versions"])
     return info
 
 
@@ -67,13 +108,22 @@ def render(info: dict[str, Any]) -> str:
         lines.append(f"            {r['rung']:>4}  {r['decode']:>12}  {r['prefill']:>13}{shared}")
     shown = {k: v for k, v in info["versions"].items() if not k.endswith("_detail")}
     lines += [f"{name:<14}{value}" for name, value in shown.items()]
+    gaps = info.get("missing", [])
+    lines.append("missing     " + ("nothing for the GPU path" if not gaps else gaps[0]["what"]))
+    for i, gap in enumerate(gaps):
+        if i:
+            lines.append(f"            {gap['what']}")
+        lines.append(f"              → {gap['fix']}")
     return "\n".join(lines)
 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--partition", type=click.Choice(ORDER), default=None, help="Start detection at this backend.")
-def doctor(as_json: bool, partition: str | None) -> None:
-    """Show the partition backend chosen here and why, the device, its ladder, and versions."""
-    info = report(partition)
+@click.option("--device", default="cuda:0", show_default=True, help="The CUDA device to inspect (cuda:N).")
+def doctor(as_json: bool, partition: str | None, device: str) -> None:
+    """Show the partition backend chosen here and why, the device, its ladder, versions, and what is missing."""
+    from agentserve.executor.partition.torch_cuda import device_index
+
+    info = report(partition, device=device_index(device))
     click.echo(json.dumps(info, indent=2) if as_json else render(info))

@@ -2,7 +2,7 @@
 
 Life cycle::
 
-    attach rings ─▶ load model + KV cache ─▶ detect partitions ─▶ send Ready ─▶ serve ─▶ close
+    attach rings ─▶ load model + KV cache ─▶ detect partitions ─▶ warm (GPU) ─▶ send Ready ─▶ serve ─▶ close
                          │ failure: ExecError(fatal) and exit 2
 
 ``serve`` reads the decision ring on the main thread and routes each message:
@@ -18,6 +18,13 @@ Life cycle::
 Results of both lanes go back through the one result ring under a lock (the ring has one
 producer process).  If the orchestrator dies, the ring raises ``PeerDied`` within a second and the
 process exits, so it never keeps holding device memory.  SIGTERM / SIGINT stop it the same way.
+
+On CUDA the process picks one allocator pool for all lane streams before CUDA starts
+(:mod:`agentserve.executor.memory`), binds the partitions to the device of ``--device cuda:N``, and
+warms every (rung, lane) before ``Ready``.  A sticky CUDA error in a step (illegal address, device-side
+assert: :mod:`agentserve.executor.faults`) poisons the context: the executor reports a fatal
+``ExecError``, stops taking plans, and exits 3 without touching the device again; the orchestrator sees
+it die and restarts it.
 """
 
 from __future__ import annotations
@@ -31,10 +38,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentserve.executor.errors import EngineError
+from agentserve.executor.faults import DeviceFault, is_sticky_cuda_error
 from agentserve.executor.grammar import GrammarMasks
 from agentserve.executor.lanes import LaneWorker, SeqReady
+from agentserve.executor.memory import configure_cuda_allocator, keep_lanes_independent
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.detect import detect
+from agentserve.executor.partition.torch_cuda import TorchCuda, device_index
 from agentserve.executor.runner import ModelRunner
 from agentserve.executor.sequences import SequenceTable
 from agentserve.executor.step import StepExecutor
@@ -69,6 +79,8 @@ RUNNER_OPTIONS: tuple[tuple[str, type], ...] = (
     ("kv_cache_bytes", int),
     ("max_model_len", int),
     ("cuda_graphs", str),
+    ("memory_utilization", float),
+    ("profile_tokens", int),
 )
 
 
@@ -93,6 +105,9 @@ class Executor:
         self.lanes = {lane: LaneWorker(backend, lane, rung=top) for lane in Lane}
         self.written = SeqReady()  # the step that last wrote each sequence's KV
         self._last_end = dict.fromkeys(Lane, time.monotonic())
+        self.fault: BaseException | None = None  # the sticky CUDA error that ends this executor
+        self._halt = threading.Event()
+        self._fault_lock = threading.Lock()
 
     def submit(self, plan: Plan) -> None:
         """Queue ``plan`` on its lane, after any other-lane step that still writes its sequences."""
@@ -103,6 +118,8 @@ class Executor:
         step.future.add_done_callback(lambda f: self._report_failure(plan, f.exception()))
 
     def _run(self, plan: Plan, binding: LaneBinding) -> None:
+        if self._halt.is_set():
+            raise DeviceFault(f"not run: the executor is stopping after a device fault ({self.fault})")
         lane = Lane(plan.lane)
         t_start = time.monotonic()
         gap_ms = (t_start - self._last_end[lane]) * 1e3
@@ -121,9 +138,50 @@ class Executor:
     def _report_failure(self, plan: Plan, error: BaseException | None) -> None:
         if error is None:
             return
+        if is_sticky_cuda_error(error):
+            self._on_fault(plan, error)
+            return
+        if self._halt.is_set():  # the orchestrator already heard the fatal error
+            log.debug("step %d failed while stopping: %r", plan.step, error)
+            return
         level = logging.WARNING if isinstance(error, EngineError) else logging.ERROR
         log.log(level, "step %d on the %s lane failed: %r", plan.step, Lane(plan.lane).name.lower(), error)
         self.send(ExecError(str(error) or repr(error), plan.step, [s.seq_id for s in plan.seqs]))
+
+    def _on_fault(self, plan: Plan, error: BaseException) -> None:
+        """The first sticky error: tell the orchestrator (fatal) and stop taking plans."""
+        with self._fault_lock:
+            first = self.fault is None
+            if first:
+                self.fault = error
+                self._halt.set()
+        if first:
+            log.critical("step %d hit a sticky CUDA error, the executor exits: %r", plan.step, error)
+            ids = [s.seq_id for s in plan.seqs]
+            self.send(ExecError(f"device fault (the executor restarts): {error}", plan.step, ids, fatal=True))
+
+    def warm(self) -> None:
+        """On a GPU, one tiny step on every (rung, lane), one at a time, ending on the top rung.
+
+        CUDA loads kernels per context on first launch, and each partitioned rung is its own pair of
+        green contexts: without this the first step on each rung would pay for it.  CPU lanes have no
+        per-rung state to load, and their start-up stays as it was."""
+        if self.backend.unit != "SMs":
+            return
+        for rung in self.backend.ladder:
+            for lane in Lane:
+                try:
+                    self.lanes[lane].submit(self._warm_step, rung=rung.index).result()
+                except Exception as e:
+                    if is_sticky_cuda_error(e):
+                        raise DeviceFault(f"sticky CUDA error warming rung {rung.index}, {lane.name}: {e}") from e
+                    raise
+
+    def _warm_step(self, binding: LaneBinding) -> None:
+        with self.backend.step_scope(binding, 4):
+            self.runner.warm_up()
+        if binding.stream is not None:
+            binding.stream.synchronize()
 
     def send(self, msg) -> None:
         with self._send_lock:
@@ -152,6 +210,7 @@ class Executor:
         try:
             for lane in self.lanes.values():
                 lane.start()
+            self.warm()  # every (rung, lane) once, before graphs are captured on the warmed lanes
             self.capture_graphs()
             self.send(self.ready(model))
             return self._dispatch()
@@ -176,7 +235,7 @@ class Executor:
             self.runner.drop_graphs()
 
     def _dispatch(self) -> str:
-        while True:
+        while not self._halt.is_set():
             try:
                 msg = self.pair.recv(timeout=RECV_POLL_S)
             except TimeoutError:
@@ -190,6 +249,9 @@ class Executor:
                 log.info("reconfigure %s (rungs are chosen per plan)", msg)
             elif isinstance(msg, Shutdown):
                 return msg.reason or "shutdown requested"
+        fault = DeviceFault(f"sticky CUDA error: {self.fault}")
+        fault.reported = True  # the fatal ExecError went out with the failed step
+        raise fault from self.fault
 
 
 def _raise_on_signal(signum: int, frame: object) -> None:
@@ -202,11 +264,21 @@ def run_executor(opts: ExecutorOptions) -> int:
     pair = RingPair.attach(opts.run, opts.role)
     backend: PartitionBackend | None = None
     try:
+        allocator = configure_cuda_allocator()  # before the first CUDA allocation of the process
         runner = ModelRunner(opts.model_dir, **opts.runner)
-        backend = detect(opts.partition)
+        index = device_index(runner.device)
+        if runner.device.type == "cuda":
+            log.info("allocator: %s (%s)", allocator, keep_lanes_independent(index))
+        backend = detect(opts.partition, cuda=TorchCuda(index))
         why = Executor(pair, runner, backend).serve(opts.model_dir)
         log.info("executor stopping: %s", why)
         return 0
+    except DeviceFault as e:  # the context is poisoned: no teardown call may touch the device again
+        log.critical("executor exits after a device fault: %s", e)
+        if not getattr(e, "reported", False):
+            _try_send(pair, ExecError(str(e), fatal=True))
+        backend = None
+        return 3
     except (EngineError, ValueError) as e:
         log.error("executor failed: %s", e)
         _try_send(pair, ExecError(str(e), fatal=True))

@@ -19,6 +19,7 @@ from agentserve.executor.checkpoint import ModelConfig, load_config, load_weight
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
 from agentserve.executor.kv_cache import KVCache, bytes_per_block
 from agentserve.executor.linear import check_weights
+from agentserve.executor.memory import CudaMemory, DeviceMemory, kv_budget_bytes, profile_memory
 from agentserve.executor.model import DecoderModel
 from agentserve.executor.runner_graphs import RunnerGraphs
 
@@ -36,6 +37,8 @@ DTYPES = {
 }
 CPU_KV_CAP_BYTES = 2 << 30
 DEFAULT_MAX_SEQS = 64  # the default KV budget never exceeds this many full-length sequences
+MEMORY_UTILIZATION = 0.90  # share of a GPU's memory the executor may hold (weights, activations, KV cache)
+PROFILE_TOKENS = 8192  # the prefill chunk the CUDA memory profile runs (capped by the context length)
 
 
 @dataclass
@@ -82,9 +85,7 @@ def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torc
     return DTYPES[dtype]
 
 
-def _available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+def _available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -104,6 +105,8 @@ class ModelRunner(RunnerGraphs):
         max_model_len: int | None = None,
         weights: str = "auto",
         cuda_graphs: str = "auto",
+        memory_utilization: float = MEMORY_UTILIZATION,
+        profile_tokens: int = PROFILE_TOKENS,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.config = config = load_config(model_dir)
@@ -112,6 +115,8 @@ class ModelRunner(RunnerGraphs):
         check_weights(weights, self.device, self.dtype)
         self._init_graphs(cuda_graphs)
         self.block_size = block_size
+        self.memory_utilization = memory_utilization
+        self.profile_tokens = profile_tokens
         self.max_model_len = min(
             max_model_len or config.max_position_embeddings, config.max_position_embeddings
         )
@@ -119,20 +124,12 @@ class ModelRunner(RunnerGraphs):
             self.model = DecoderModel(
                 config, load_weights(model_dir), self.dtype, self.device, self.max_model_len, weights
             )
-        self.num_blocks = num_blocks or self._default_num_blocks(kv_cache_bytes)
-        self.kv_cache = KVCache(
-            config.num_layers,
-            self.num_blocks,
-            block_size,
-            config.num_kv_heads,
-            config.head_dim,
-            self.dtype,
-            self.device,
-        )
         self.attention = create_backend(
             attention_backend, config.num_heads, config.num_kv_heads, config.head_dim, block_size, self.device,
             self.dtype,
         )
+        self.num_blocks = num_blocks or self._default_num_blocks(kv_cache_bytes)
+        self.kv_cache = self._new_cache(self.num_blocks)
         if self.device.type == "cuda":  # compile the attention kernels now, not in the first request's step
             log.info("compiling %s attention kernels", type(self.attention).__name__)
             with torch.inference_mode():
@@ -149,18 +146,82 @@ class ModelRunner(RunnerGraphs):
             self.kv_cache.total_bytes / 2**20,
         )
 
-    def _default_num_blocks(self, budget: int | None) -> int:
+    def _new_cache(self, num_blocks: int) -> KVCache:
         c = self.config
-        per_block = bytes_per_block(c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, self.dtype)
+        return KVCache(c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    @property
+    def _per_block(self) -> int:
+        c = self.config
+        return bytes_per_block(c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, self.dtype)
+
+    @property
+    def _full_blocks(self) -> int:
+        """Blocks for ``DEFAULT_MAX_SEQS`` sequences of full length: the default never exceeds it."""
+        return DEFAULT_MAX_SEQS * -(-self.max_model_len // self.block_size)
+
+    def _default_num_blocks(self, budget: int | None) -> int:
+        per_block = self._per_block
+        if budget is None and self.device.type == "cuda":
+            return self.profiled_num_blocks(CudaMemory(self.device), self.memory_utilization)
         if budget is None:
-            budget = _available_bytes(self.device) // 2 - self.graph_reserve_bytes()
-            if self.device.type == "cpu":
-                budget = min(budget, CPU_KV_CAP_BYTES)
-            full = DEFAULT_MAX_SEQS * -(-self.max_model_len // self.block_size)
-            return max(1, min(budget // per_block, full))
+            budget = min(_available_ram() // 2, CPU_KV_CAP_BYTES)
+            return max(1, min(budget // per_block, self._full_blocks))
         if budget < per_block:
             raise EngineError(f"KV cache budget {budget} bytes is smaller than one block ({per_block} bytes)")
         return budget // per_block
+
+    def profiled_num_blocks(self, memory: DeviceMemory, utilization: float) -> int:
+        """KV blocks that fit in ``utilization`` of the device after the weights and a profiling step."""
+        profile = profile_memory(memory, lambda: self.profile_step(self.profile_tokens))
+        budget = kv_budget_bytes(profile, utilization) - self.graph_reserve_bytes()  # decode graphs' pool
+        log.info(
+            "memory profile: %.2f GiB total, %.2f GiB held outside torch, %.2f GiB weights and buffers, "
+            "%.2f GiB activation peak -> %.2f GiB for the KV cache at %.0f%% utilization",
+            *(x / 2**30 for x in (profile.total, profile.total - profile.free - profile.reserved,
+                                  profile.allocated, profile.peak, max(budget, 0))), utilization * 100,
+        )
+        if budget < self._per_block:
+            raise EngineError(
+                f"no memory left for the KV cache: {utilization:.0%} of {profile.total / 2**30:.1f} GiB less "
+                f"{profile.allocated / 2**30:.1f} GiB weights and a {profile.peak / 2**30:.1f} GiB activation peak "
+                "leaves less than one block; raise memory_utilization or lower profile_tokens"
+            )
+        return max(1, min(budget // self._per_block, self._full_blocks))
+
+    @torch.inference_mode()
+    def profile_step(self, tokens: int) -> None:
+        """One prefill chunk of ``tokens`` and one decode batch of ``DEFAULT_MAX_SEQS`` on a scratch cache.
+
+        The runner's own cache (if any) is put back untouched."""
+        n = max(1, min(tokens, self.max_model_len))
+        bs, vocab = self.block_size, self.config.vocab_size
+        chunk_blocks = -(-n // bs)
+        saved = getattr(self, "kv_cache", None), getattr(self, "num_blocks", 0)
+        self.num_blocks = chunk_blocks + DEFAULT_MAX_SEQS
+        self.kv_cache = self._new_cache(self.num_blocks)
+        try:
+            self.prefill([PrefillChunk([i % vocab for i in range(n)], 0, list(range(chunk_blocks)))])
+            self.decode([DecodeItem(1 % vocab, 0, [chunk_blocks + i]) for i in range(DEFAULT_MAX_SEQS)])
+        finally:
+            self.kv_cache, self.num_blocks = saved
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """A three-token prefill and a one-token decode in block 0 of the cache, which is then zeroed again.
+
+        Run once per (rung, lane) before serving: every green context loads the kernels of a step (CUDA
+        loads modules per context on first launch), so the first real step on a rung is not the slow one.
+        Only at start-up, when no sequence owns a block."""
+        n = 3
+        table = list(range(-(-(n + 1) // self.block_size)))
+        vocab = self.config.vocab_size
+        try:
+            self.prefill([PrefillChunk([i % vocab for i in range(1, n + 1)], 0, table)])
+            self.decode([DecodeItem((n + 1) % vocab, n, table)])
+        finally:
+            for layer in (*self.kv_cache.k, *self.kv_cache.v):
+                layer[table].zero_()
 
     @property
     def weight_format(self) -> str:

@@ -193,6 +193,7 @@ def common_args(parser: Any) -> None:
 
 def setup(args: Any) -> tuple[PartitionBackend, Workload]:
     from agentserve.executor.partition import detect
+    from agentserve.executor.partition.torch_cuda import TorchCuda, device_index
 
     wl = load(
         args.model,
@@ -204,7 +205,7 @@ def setup(args: Any) -> tuple[PartitionBackend, Workload]:
         args.chunk,
         args.prefill_repeat,
     )
-    backend = detect(args.partition)
+    backend = detect(args.partition, cuda=TorchCuda(device_index(wl.runner.device)))
     if (wl.runner.device.type == "cuda") != (backend.unit == "SMs"):
         raise SystemExit(f"model on {wl.runner.device} but partition backend {backend.name}; pass --device")
     return backend, wl

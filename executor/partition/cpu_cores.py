@@ -4,25 +4,19 @@ A partitioned rung gives decode the first ``d`` usable cores and prefill the res
 gives both lanes every core.  Binding a lane thread pins it (``os.sched_setaffinity`` on its
 native thread id) and sets its intra-op thread count to its core count.
 
-Per-thread intra-op threads (measured on torch 2.13, OpenMP backend, MKL): ``torch.set_num_threads``
-sets the calling thread's OpenMP ``nthreads`` ICV (and MKL's thread-local count), so two lane
-threads can run with different counts at once — *provided* each thread has already done torch's
-lazy per-thread init (the first ``get_num_threads`` in a thread re-applies the last value set by
-any thread).  :meth:`_bind` therefore calls ``get_num_threads`` before ``set_num_threads``.
-Each lane thread gets its own OpenMP worker team, created with the lane's affinity mask; a worker
-keeps the mask it was created with, so after a rung change a reused worker may still run on
-the cores of its first rung (exact on 2 cores, where a partitioned lane has no workers).
+Per-thread intra-op threads (torch's OpenMP backend, MKL): ``torch.set_num_threads`` sets the calling
+thread's OpenMP ``nthreads`` ICV (and MKL's thread-local count), so two lane threads can run with
+different counts at once — *provided* each thread has already done torch's lazy per-thread init (the
+first ``get_num_threads`` in a thread re-applies the last value set by any thread).  :meth:`_bind`
+therefore calls ``get_num_threads`` before ``set_num_threads``.  Each lane thread gets its own OpenMP
+worker team, created with the lane's affinity mask; a worker keeps the mask it was created with, so
+after a rung change a reused worker may still run on the cores of its first rung (exact on 2 cores,
+where a partitioned lane has no workers).
 
 A step of at most :data:`ONE_THREAD_MAX_TOKENS` tokens (a decode of a few sequences) runs on one
-intra-op thread: its matmuls are memory-bound and one thread moves nearly what two do, while a
-second thread adds an OpenMP barrier per op that stalls whenever the other core is busy (the
-orchestrator, a client, the prefill lane).  Measured, ``bench`` model, 4 sequences at 3k context on
-2 vCPUs: 41 ms alone on one thread vs 44.5 ms on two; beside an idle-priority prefill 36–42 ms vs
-44–46 ms, the prefill also faster.  At 8 sequences two threads win (43 vs 58 ms).  With fp16-packed
-matmuls a bare decode loop is faster on two threads (25.5 vs 34.9 ms), but inside the server, where the
-orchestrator and clients use the other core between and during steps, two threads lost: `bench` react,
-4 agents, alternated runs, one thread vs two whenever the prefill lane is idle — TPOT p50 27.0 / 21.2 ms
-vs 33.6 / 23.2 ms, p95 36.5 / 30.4 vs 41.4 / 31.9 ms, throughput 64 vs 59–63 tok/s (fcfs alike).
+intra-op thread: its matmuls are memory-bound, so one thread moves nearly what two do, while a second
+thread adds an OpenMP barrier per op that stalls whenever the other core is busy (the orchestrator, a
+client, the prefill lane).  Larger steps use the binding's thread count.
 
 On the shared (top) rung both lanes may use every core, and the prefill lane thread runs at
 ``SCHED_IDLE`` — the CPU analogue of decode's high-priority stream: decode preempts prefill, and

@@ -1,7 +1,8 @@
 """``cuda-streams`` backend: CUDA without green contexts — two streams, decode at high priority.
 
 Nothing is partitioned: both lanes see every SM; the stream priority only makes the block
-scheduler prefer decode's blocks when both are queued.  One rung.
+scheduler prefer decode's blocks when both are queued.  One rung.  The device is ``cuda.index``; each
+lane thread makes it current when it binds (:class:`StreamBackend`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared lane binding of the GPU backends: a lane is bound by making its stream current."""
+"""Shared lane binding of the GPU backends: a lane thread makes its device current, then its stream."""
 
 from __future__ import annotations
 
@@ -12,14 +12,23 @@ from agentserve.protocol.lanes import Lane, Rung
 
 
 class StreamBackend(PartitionBackend):
-    """Subclasses fill ``_streams[rung index][lane]`` with torch streams before ``__init__`` returns."""
+    """Subclasses fill ``_streams[rung index][lane]`` with torch streams before ``__init__`` returns.
+
+    Binding sets the backend's device on the lane thread first: a new thread starts on device 0, and
+    kernels launched by libraries that read the current device (Triton, CUDA graphs) would otherwise
+    go to device 0 with another device's pointers."""
 
     _cuda: TorchCuda
     _streams: dict[int, dict[Lane, Any]]
+
+    def stream_for(self, lane: Lane, rung: int) -> Any:
+        """The torch stream ``lane`` runs on at rung ``rung`` (for measurements; lanes bind instead)."""
+        return self._streams[self.rung(rung).index][Lane(lane)]
 
     @contextmanager
     def _bind(self, lane: Lane, rung: Rung) -> Iterator[LaneBinding]:
         stream = self._streams[rung.index][lane]
         units = rung.decode_units if lane == Lane.DECODE else rung.prefill_units
+        self._cuda.set_device()
         with self._cuda.use(stream):
             yield LaneBinding(lane=lane, rung=rung, units=units, stream=stream)

@@ -8,6 +8,16 @@ from typing import Any
 import torch
 
 
+def device_index(device: str | torch.device) -> int:
+    """The CUDA device index of ``cuda:N`` (``N``), ``cuda`` (the current device) or anything else (0)."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type != "cuda":
+        return 0
+    if dev.index is not None:
+        return dev.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
 class TorchCuda:
     """torch.cuda for one device: availability, plain and external streams, stream binding."""
 
@@ -25,15 +35,33 @@ class TorchCuda:
         return None
 
     def init(self) -> None:
-        """Make the primary context current on this thread (green contexts retain it)."""
+        """Initialise torch's CUDA state and make this device current on the calling thread."""
         torch.cuda.init()
+        self.set_device()
+
+    def ensure_context(self) -> None:
+        """Create the device's primary context (green contexts must come after it).
+
+        ``torch.cuda.set_device`` skips ``cudaSetDevice`` when the device is already current, so it
+        does not create the context; a device-wide synchronise is a runtime call that does."""
+        self.init()
+        torch.cuda.synchronize(self.index)
+
+    def set_device(self) -> None:
+        """Make this device current on the calling thread (each new thread starts on device 0)."""
         torch.cuda.set_device(self.index)
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.index)
 
     def sm_count(self) -> int:
         return torch.cuda.get_device_properties(self.index).multi_processor_count
+
+    def capability(self) -> tuple[int, int]:
+        return torch.cuda.get_device_capability(self.index)
 
     def high_priority(self) -> int:
         """The highest stream priority (lowest number); 0 if the device has no range."""

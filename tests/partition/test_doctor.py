@@ -42,3 +42,45 @@ def test_doctor_text_lists_every_rung() -> None:
 def test_doctor_rejects_unknown_backend() -> None:
     result = CliRunner().invoke(doctor, ["--partition", "mps"])
     assert result.exit_code != 0
+
+
+def test_doctor_on_a_gpu_box_makes_green_contexts_after_the_primary_context() -> None:
+    from partition_fakes import Gpu
+
+    from agentserve.cli.doctor import report
+
+    gpu = Gpu(132, (9, 0))
+    info = report(driver=gpu.drv, cuda=gpu.cuda)
+    assert info["backend"] == "green-ctx" and info["partitioned"]
+    assert not gpu.violations
+    assert not gpu.drv.live_contexts and not gpu.drv.live_streams
+
+
+def test_doctor_says_what_is_missing_and_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentserve.cli import doctor as doc
+    from agentserve.executor.partition.driver import CudaCallError
+
+    def no_bindings():
+        raise CudaCallError("import cuda.bindings.driver", "failed: ModuleNotFoundError: No module named 'cuda'")
+
+    monkeypatch.setattr(doc, "load_driver", no_bindings)
+    monkeypatch.setattr(doc, "_package_version", lambda name: "none")
+    missing = doc.missing(doc.versions())
+    fixes = " | ".join(m["fix"] for m in missing)
+    assert any(m["what"].startswith("cuda-python") for m in missing), missing
+    assert "pip install 'cuda-python" in fixes
+    if torch.version.cuda is None:
+        assert any("CPU build" in m["what"] for m in missing) and "download.pytorch.org/whl" in fixes
+    result = CliRunner().invoke(doctor, ["--partition", "cpu-cores"])
+    assert "missing" in result.output and "pip install 'cuda-python" in result.output
+
+
+def test_doctor_flags_bindings_newer_than_the_driver() -> None:
+    from agentserve.cli.doctor import missing
+
+    found = missing({"python": "3.12", "torch": "2.11.0+cu128", "torch_cuda": "12.8", "cuda_driver": "12.8",
+                     "cuda_bindings": "13.0.1"})
+    assert [m["what"] for m in found] == ["cuda-bindings 13.0.1 is newer than the driver's CUDA 12.8"]
+    assert "<13" in found[0]["fix"]
+    assert missing({"python": "3.12", "torch": "2.11.0+cu130", "torch_cuda": "13.0", "cuda_driver": "13.0",
+                    "cuda_bindings": "13.0.1"}) == []

@@ -122,7 +122,7 @@ def test_gpu_ordering_uses_stream_events_not_host_sync() -> None:
     assert decode_stream.waited == [pf.marker.cuda_event]
     assert pf.marker.cuda_event.synced == 0
     backend.close()
-    assert not gpu.drv.violations
+    assert not gpu.violations
 
 
 def test_marker_timeout() -> None:

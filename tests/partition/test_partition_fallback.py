@@ -28,10 +28,9 @@ def test_green_ctx_chosen_when_everything_works() -> None:
     ("fname", "code"),
     [
         ("cuDeviceGetDevResource", CUresult.CUDA_ERROR_INVALID_RESOURCE_TYPE),
-        ("cuDevSmResourceSplitByCount", CUresult.CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION),
+        ("cuDevSmResourceSplitByCount", CUresult.CUDA_ERROR_NOT_SUPPORTED),
         ("cuDevResourceGenerateDesc", CUresult.CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION),
         ("cuGreenCtxCreate", CUresult.CUDA_ERROR_NOT_SUPPORTED),
-        ("cuGreenCtxStreamCreate", CUresult.CUDA_ERROR_NOT_SUPPORTED),
     ],
 )
 def test_cuda_error_falls_back_to_streams(fname: str, code: CUresult) -> None:
@@ -44,33 +43,43 @@ def test_cuda_error_falls_back_to_streams(fname: str, code: CUresult) -> None:
     assert backend.reason.endswith("cuda-streams: two CUDA streams (decode priority -5, prefill 0); not partitioned")
     assert [(r.decode_units, r.prefill_units, r.partitioned) for r in backend.ladder] == [(132, 132, False)]
     assert not gpu.drv.live_streams and not gpu.drv.live_contexts, "a failed build tears down what it made"
-    assert not gpu.drv.violations
+    assert not gpu.violations
     backend.close()
 
 
 def test_failure_midway_tears_down_earlier_rungs_in_order() -> None:
-    gpu = Gpu(132, (9, 0), {"fail_on_call": {"cuGreenCtxStreamCreate": 5}})
-    with pytest.raises(BackendUnavailable, match="cuGreenCtxStreamCreate returned CUDA_ERROR_NOT_SUPPORTED"):
+    gpu = Gpu(132, (9, 0), {"fail_on_call": {"cuGreenCtxCreate": 5}})
+    with pytest.raises(BackendUnavailable, match="cuGreenCtxCreate returned CUDA_ERROR_NOT_SUPPORTED"):
         GreenCtxBackend(gpu.drv, gpu.cuda)
-    assert gpu.drv.calls["cuStreamDestroy"] == 4 and gpu.drv.calls["cuGreenCtxDestroy"] == 5
-    assert not gpu.drv.live_streams and not gpu.drv.live_contexts and not gpu.drv.violations
+    assert gpu.drv.calls["cuStreamDestroy"] == 4 and gpu.drv.calls["cuGreenCtxDestroy"] == 4
+    assert not gpu.drv.live_streams and not gpu.drv.live_contexts and not gpu.violations
 
 
-def test_missing_stream_create_in_bindings_falls_back() -> None:
+def test_no_way_to_make_streams_falls_back() -> None:
     gpu = Gpu(132, (9, 0))
-    gpu.drv.without("cuGreenCtxStreamCreate")
+    gpu.drv.without("cuGreenCtxStreamCreate", "cuCtxFromGreenCtx")
     backend = detect_on(gpu)
     assert backend.name == "cuda-streams"
     assert "cuGreenCtxStreamCreate is missing from the installed cuda-bindings" in backend.reason
+    assert "cuCtxFromGreenCtx is missing" in backend.reason
     assert gpu.drv.calls["cuGreenCtxCreate"] == 0, "symbols are checked before anything is created"
 
 
-def test_stream_create_not_exported_by_driver_falls_back() -> None:
-    gpu = Gpu(132, (9, 0), {"not_exported": {"cuGreenCtxStreamCreate"}})
+def test_stream_fallback_not_exported_by_driver_falls_back() -> None:
+    gpu = Gpu(132, (9, 0), {"not_exported": {"cuGreenCtxStreamCreate", "cuStreamCreateWithPriority"}})
     backend = detect_on(gpu)
     assert backend.name == "cuda-streams"
     assert "cuGreenCtxStreamCreate is not exported by the driver" in backend.reason
     assert "CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND" in backend.reason
+
+
+def test_stream_create_refused_at_run_time_uses_the_fallback() -> None:
+    gpu = Gpu(132, (9, 0), {"fail": {"cuGreenCtxStreamCreate": CUresult.CUDA_ERROR_NOT_SUPPORTED}})
+    backend = detect_on(gpu)
+    assert backend.name == "green-ctx" and backend.partitioned
+    assert "streams from cuCtxFromGreenCtx" in backend.reason
+    backend.close()
+    assert not gpu.drv.live_streams and not gpu.drv.live_contexts and not gpu.violations
 
 
 def test_old_driver_falls_back_with_version() -> None:

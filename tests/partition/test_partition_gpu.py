@@ -48,3 +48,45 @@ def test_real_green_contexts_run_disjoint_lanes() -> None:
         torch.testing.assert_close(d_out.cpu(), expected)
     finally:
         backend.close()
+
+
+def test_lane_threads_run_on_the_backend_device() -> None:
+    index = torch.cuda.device_count() - 1
+    backend = detect(cuda=TorchCuda(index))
+    try:
+        with LaneWorker(backend, Lane.DECODE, 0) as dec, LaneWorker(backend, Lane.PREFILL, 0) as pre:
+            assert dec.submit(lambda b: torch.cuda.current_device()).result(60) == index
+            assert pre.submit(lambda b: torch.cuda.current_device()).result(60) == index
+    finally:
+        backend.close()
+
+
+def test_every_rung_is_disjoint_and_no_larger_than_reported() -> None:
+    backend = GreenCtxBackend(load_driver(), TorchCuda(0))
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        sizes = [r.decode_units for r in backend.ladder if r.partitioned]
+        assert sizes == sorted(set(sizes)), "rungs are deduplicated by their real sizes"
+        assert all(r.decode_units + r.prefill_units <= total for r in backend.ladder if r.partitioned)
+        assert backend.ladder[-1].decode_units == total
+    finally:
+        backend.close()
+
+
+def test_a_device_side_assert_is_a_sticky_error(tmp_path) -> None:
+    """In a child process (the assert poisons its context): the executor's classifier recognises it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from agentserve.executor.faults import is_sticky_cuda_error\n"
+        "x = torch.zeros(4, device='cuda')\n"
+        "try:\n"
+        "    x[torch.tensor([9], device='cuda')] = 1.0\n"
+        "    torch.cuda.synchronize()\n"
+        "except Exception as e:\n"
+        "    print('sticky' if is_sticky_cuda_error(e) else f'not sticky: {e!r}')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "sticky" in done.stdout and "not sticky" not in done.stdout, done.stdout + done.stderr

@@ -29,7 +29,7 @@ def test_streams_destroyed_before_contexts() -> None:
     synced = {arg for name, arg in gpu.drv.log if name == "cuStreamSynchronize"}
     destroyed = [arg for name, arg in gpu.drv.log if name == "cuStreamDestroy"]
     assert synced == set(destroyed), "every stream is synchronised before it is destroyed"
-    assert not gpu.drv.live_streams and not gpu.drv.live_contexts and not gpu.drv.violations
+    assert not gpu.drv.live_streams and not gpu.drv.live_contexts and not gpu.violations
     backend.close()  # idempotent
     assert gpu.drv.calls["cuStreamDestroy"] == made_streams
 
@@ -42,7 +42,8 @@ def test_lane_binding_uses_its_rung_stream() -> None:
         with backend.lane_context(Lane.PREFILL, 2) as p:
             assert gpu.cuda.current() is p.stream and p.units == rung.prefill_units
             assert p.stream.handle.ctx is not d.stream.handle.ctx
-            assert p.stream.handle.sms + d.stream.handle.sms == 132
+            p_sms, d_sms = p.stream.handle.sms, d.stream.handle.sms
+            assert len(p_sms | d_sms) == 132 and not p_sms & d_sms
     assert gpu.cuda.current() is None
     top = backend.ladder[-1].index
     with backend.lane_context(Lane.DECODE, top) as d:
@@ -70,7 +71,7 @@ def test_close_waits_for_bound_lane() -> None:
     leave.set()
     t.join(5)
     closer.join(5)
-    assert not gpu.drv.live_streams and not gpu.drv.live_contexts and not gpu.drv.violations
+    assert not gpu.drv.live_streams and not gpu.drv.live_contexts and not gpu.violations
     with pytest.raises(RuntimeError, match="closing or closed"), backend.lane_context(Lane.DECODE, 0):
         pass
 
@@ -101,5 +102,5 @@ def test_close_under_lane_churn_never_destroys_a_stream_in_use(seed: int) -> Non
     stop.set()
     for t in threads:
         t.join(5)
-    assert not gpu.drv.violations
+    assert not gpu.violations
     assert not gpu.drv.live_streams and not gpu.drv.live_contexts

@@ -1,0 +1,237 @@
+"""The executor against GPU rules, on the CPU: every (rung, lane) warmed before Ready, a sticky CUDA
+error ends the executor (the orchestrator restarts it), the device index reaches the partition backend."""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from agentserve.executor import process
+from agentserve.executor.builtin import resolve_model
+from agentserve.executor.lanes import LaneWorker
+from agentserve.executor.process import Executor, ExecutorOptions
+from agentserve.executor.runner import ModelRunner
+from agentserve.protocol.lanes import Lane
+from agentserve.protocol.ring_messages import ExecError, Plan, Ready, Result, SeqPlan, Shutdown
+from agentserve.protocol.sampling import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "partition"))
+from partition_fakes import Gpu  # noqa: E402
+
+from agentserve.executor.partition.green_ctx import GreenCtxBackend  # noqa: E402
+
+
+class FakePair:
+    """The executor's ring pair: ``recv`` from a queue the test fills, ``send`` into a list."""
+
+    def __init__(self) -> None:
+        self.inbox: queue.Queue = queue.Queue()
+        self.sent: list[object] = []
+        self.got = threading.Condition()
+
+    def recv(self, timeout: float | None = None) -> object:
+        try:
+            return self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError from None
+
+    def send(self, msg: object, timeout: float | None = None) -> None:
+        with self.got:
+            self.sent.append(msg)
+            self.got.notify_all()
+
+    def wait_for(self, kind: type, timeout: float = 30.0) -> object:
+        with self.got:
+            assert self.got.wait_for(lambda: any(isinstance(m, kind) for m in self.sent), timeout), self.sent
+            return next(m for m in self.sent if isinstance(m, kind))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    return ModelRunner(resolve_model("tiny"), dtype="float32", device="cpu", num_blocks=64)
+
+
+def _plan(step: int, seq: int, lane: Lane = Lane.DECODE) -> Plan:
+    sp = SeqPlan(seq, [11, 12, 13], 0, new_blocks=[seq * 4], sampling=SamplingParams(max_tokens=4))
+    return Plan(step=step, lane=lane, rung=0, token_budget=3, seqs=[sp])
+
+
+def test_every_rung_and_lane_is_warmed_before_ready(runner: ModelRunner, monkeypatch) -> None:
+    gpu = Gpu(64, (9, 0))
+    backend = GreenCtxBackend(gpu.drv, gpu.cuda)
+    warmed: list[tuple[int, Lane, bool]] = []
+    pair = FakePair()
+    real = LaneWorker._step
+
+    def spy(self, item, binding, last_end):
+        warmed.append((binding.rung.index, binding.lane, any(isinstance(m, Ready) for m in pair.sent)))
+        return real(self, item, binding, last_end)
+
+    monkeypatch.setattr(LaneWorker, "_step", spy)
+    ex = Executor(pair, runner, backend)
+    pair.inbox.put(Shutdown("test"))
+    assert ex.serve("tiny") == "test"
+    before_ready = {(r, lane) for r, lane, ready in warmed if not ready}
+    assert before_ready == {(r.index, lane) for r in backend.ladder for lane in Lane}
+    backend.close()
+    assert not gpu.violations
+
+
+def test_cpu_lanes_are_not_warmed(runner: ModelRunner, monkeypatch) -> None:
+    """CPU start-up stays as it was: no per-context kernels to load."""
+    from agentserve.executor.partition.cpu_cores import CpuCoresBackend
+
+    backend = CpuCoresBackend()
+    calls: list[int] = []
+    monkeypatch.setattr(runner, "warm_up", lambda: calls.append(1))
+    pair = FakePair()
+    pair.inbox.put(Shutdown("test"))
+    Executor(pair, runner, backend).serve("tiny")
+    assert calls == []
+    backend.close()
+
+
+def test_sticky_cuda_error_ends_the_executor(runner: ModelRunner, monkeypatch) -> None:
+    from agentserve.executor.partition.cpu_cores import CpuCoresBackend
+
+    backend = CpuCoresBackend()
+    pair = FakePair()
+    ex = Executor(pair, runner, backend)
+    ran: list[int] = []
+
+    def poisoned(plan):
+        ran.append(plan.step)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(ex.step, "run", poisoned)
+    outcome: list[BaseException | str] = []
+
+    def serve() -> None:
+        try:
+            outcome.append(ex.serve("tiny"))
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            outcome.append(e)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        pair.wait_for(Ready)
+        pair.inbox.put(_plan(1, 0))
+        err = pair.wait_for(ExecError)
+        assert err.fatal and err.step == 1 and err.seq_ids == [0] and "illegal memory access" in err.message
+        pair.inbox.put(_plan(2, 1))  # would run on a poisoned context
+        t.join(5)
+        assert not t.is_alive(), "the executor kept serving after a sticky CUDA error"
+        assert ran == [1]
+        assert isinstance(outcome[0], process.DeviceFault)
+    finally:
+        pair.inbox.put(Shutdown("test over"))
+        t.join(10)
+        backend.close()
+
+
+def test_ordinary_step_errors_keep_the_executor_alive(runner: ModelRunner, monkeypatch) -> None:
+    from agentserve.executor.partition.cpu_cores import CpuCoresBackend
+
+    backend = CpuCoresBackend()
+    pair = FakePair()
+    ex = Executor(pair, runner, backend)
+    real = ex.step.run
+    monkeypatch.setattr(ex.step, "run", lambda plan: (_ for _ in ()).throw(ValueError("bad plan"))
+                        if plan.step == 1 else real(plan))
+    t = threading.Thread(target=ex.serve, args=("tiny",), daemon=True)
+    t.start()
+    try:
+        pair.wait_for(Ready)
+        pair.inbox.put(_plan(1, 0))
+        assert not pair.wait_for(ExecError).fatal
+        pair.inbox.put(_plan(2, 1))
+        assert pair.wait_for(Result).step == 2
+    finally:
+        pair.inbox.put(Shutdown("done"))
+        t.join(10)
+        backend.close()
+    assert not t.is_alive()
+
+
+def test_run_executor_exits_nonzero_on_a_device_fault(monkeypatch) -> None:
+    """The process ends (exit 3) instead of serving on; its death is what makes the orchestrator restart it."""
+    import torch
+
+    pair = FakePair()
+
+    class Boom:
+        def __init__(self, *a, **k) -> None:
+            pass
+
+        def serve(self, model: str) -> str:
+            raise process.DeviceFault("sticky CUDA error: an illegal memory access was encountered")
+
+    closed: list[bool] = []
+
+    class Backend:
+        def close(self, timeout: float = 10.0) -> None:
+            closed.append(True)
+
+    monkeypatch.setattr(process.RingPair, "attach", staticmethod(lambda run, role: pair))
+    monkeypatch.setattr(process, "ModelRunner", lambda *a, **k: type("R", (), {"device": torch.device("cpu")})())
+    monkeypatch.setattr(process, "detect", lambda *a, **k: Backend())
+    monkeypatch.setattr(process, "Executor", Boom)
+    assert process.run_executor(ExecutorOptions(run="r", model_dir="m")) == 3
+    assert closed == [], "a poisoned context is not torn down: synchronising it would raise or hang"
+
+
+@pytest.mark.parametrize(("device", "index"), [("cuda:1", 1), ("cuda:0", 0), ("cpu", 0)])
+def test_device_index_reaches_the_partition_backend(device: str, index: int, monkeypatch) -> None:
+    import torch
+
+    seen: dict[str, object] = {}
+
+    def fake_detect(prefer=None, **kw):
+        seen.update(kw)
+        raise process.EngineError("stop here")
+
+    monkeypatch.setattr(process.RingPair, "attach", staticmethod(lambda run, role: FakePair()))
+    monkeypatch.setattr(process, "ModelRunner", lambda *a, **k: type("R", (), {"device": torch.device(device)})())
+    monkeypatch.setattr(process, "detect", fake_detect)
+    assert process.run_executor(ExecutorOptions(run="r", model_dir="m", runner={"device": device})) == 2
+    assert seen["cuda"].index == index
+
+
+def test_sticky_error_while_warming_is_a_device_fault(runner: ModelRunner, monkeypatch) -> None:
+    gpu = Gpu(64, (9, 0))
+    backend = GreenCtxBackend(gpu.drv, gpu.cuda)
+    ex = Executor(FakePair(), runner, backend)
+    monkeypatch.setattr(runner, "warm_up", lambda: (_ for _ in ()).throw(
+        RuntimeError("CUDA error: unspecified launch failure")))
+    with pytest.raises(process.DeviceFault, match="warming rung 0"):
+        ex.serve("tiny")
+    backend.close()
+
+
+def test_a_fault_before_ready_is_reported_once(monkeypatch) -> None:
+    import torch
+
+    pair = FakePair()
+
+    class Boom:
+        def __init__(self, *a, **k) -> None:
+            pass
+
+        def serve(self, model: str) -> str:
+            raise process.DeviceFault("sticky CUDA error warming rung 0, DECODE: illegal memory access")
+
+    monkeypatch.setattr(process.RingPair, "attach", staticmethod(lambda run, role: pair))
+    monkeypatch.setattr(process, "ModelRunner", lambda *a, **k: type("R", (), {"device": torch.device("cpu")})())
+    monkeypatch.setattr(process, "detect", lambda *a, **k: None)
+    monkeypatch.setattr(process, "Executor", Boom)
+    assert process.run_executor(ExecutorOptions(run="r", model_dir="m")) == 3
+    errors = [m for m in pair.sent if isinstance(m, ExecError)]
+    assert len(errors) == 1 and errors[0].fatal and "warming" in errors[0].message
