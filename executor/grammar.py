@@ -4,7 +4,8 @@ the executor with every token it samples.
 Because the executor advances the matcher itself, a decode plan sent ahead (the decode lane's
 look-ahead: "feed the token you sampled last") needs nothing from the orchestrator: the mask of step
 N+1 already knows step N's token.  The orchestrator compiled and checked the grammar text; here it
-is only instantiated against the checkpoint's ``tokenizer.json``.
+is only instantiated against the checkpoint's ``tokenizer.json``.  llguidance is imported on first use, so
+an executor that never sees a grammar runs without it (the offline device image has none).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.numpy as llnp
 import torch
 
 from agentserve.executor.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 class GrammarMasks:
@@ -25,10 +28,12 @@ class GrammarMasks:
         self.tokenizer_json = Path(tokenizer_json)
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer: llguidance.LLTokenizer | None = None  # built on the first constrained sequence
         self._lock = threading.Lock()  # both lane threads may admit a constrained sequence first
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance
+
         with self._lock:
             if self._tokenizer is None:
                 text = self.tokenizer_json.read_text(encoding="utf-8")
@@ -38,6 +43,8 @@ class GrammarMasks:
 
     def matcher(self, grammar: str, seen: Sequence[int] = ()) -> llguidance.LLMatcher:
         """A matcher for ``grammar`` that has already consumed ``seen`` (output before a recompute)."""
+        import llguidance
+
         m = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
         if m.is_error() or (seen and not m.consume_tokens(list(seen))):
             raise InvalidRequestError(f"grammar rejected: {m.get_error()}")
@@ -51,6 +58,8 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | 
     if not rows:
         return
     vocab = logits.shape[1]
+    import llguidance.numpy as llnp
+
     bitmask = llnp.allocate_token_bitmask(len(rows), vocab)
     for j, i in enumerate(rows):
         llnp.fill_next_token_bitmask(matchers[i], bitmask, j)

@@ -42,7 +42,7 @@ def ensure_agentserve() -> None:
 
 
 def sections() -> list:
-    from probe import env, memory, model, partitions, physics, subprocs
+    from probe import attention, env, memory, model, partitions, physics, subprocs
     from probe.common import Section
 
     return [
@@ -52,16 +52,18 @@ def sections() -> list:
                 env.sm_resource, env.sm_resource_dry),
         Section("sm_map", "which SMs each lane's kernels run on, per rung (%smid); overlap", 25,
                 partitions.sm_map, partitions.plan_only("distinct SMs per (rung, lane) and their overlap")),
-        Section("events_graph", "events and a CUDA graph across streams of different green contexts", 15,
+        Section("events_graph", "events and a CUDA graph across streams of different green contexts", 10,
                 partitions.events_graph, partitions.plan_only("cross-context event order; graph replay SMs")),
-        Section("physics", "bf16 GEMM on prefill beside a bandwidth-bound copy on decode, per rung", 40,
+        Section("physics", "bf16 GEMM on prefill beside a bandwidth-bound copy on decode, per rung", 35,
                 physics.physics, physics.physics_dry),
         Section("model", "1B bf16 decode b32@2k alone / beside 8k prefill / time-sliced; GIL control; switching",
-                110, model.model, model.model_dry),
-        Section("memory", "memory peaks: caching allocator vs one shared pool; KV from the profile", 60,
+                95, model.model, model.model_dry),
+        Section("attention", "decode b1/8/32 at 2k/8k and prefill per backend (torch, triton, flashinfer), "
+                "eager vs CUDA graphs", 60, attention.attention, attention.attention_dry),
+        Section("memory", "memory peaks: caching allocator vs one shared pool; KV from the profile", 45,
                 memory.memory, memory.memory_dry),
-        Section("ring", "shared-memory ring vs ZeroMQ with a spinning reader", 30, subprocs.ring, subprocs.ring_dry),
-        Section("pytest_gpu", "pytest -m gpu", 70, subprocs.pytest_gpu, subprocs.pytest_gpu_dry),
+        Section("ring", "shared-memory ring vs ZeroMQ with a spinning reader", 25, subprocs.ring, subprocs.ring_dry),
+        Section("pytest_gpu", "pytest -m gpu", 55, subprocs.pytest_gpu, subprocs.pytest_gpu_dry),
     ]
 
 

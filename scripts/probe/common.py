@@ -16,8 +16,8 @@ DEVICE_IMAGE = frozenset({
     "click", "pytest", "hypothesis", "prometheus_client", "uvloop", "msgpack", "psutil", "yaml", "tqdm",
     "packaging", "filelock", "typing_extensions", "huggingface_hub",
 })
-OURS = frozenset({"agentserve", "probe", "lane_check", "bench_ring", "gpu_probe"})
-CARRIED = frozenset({"msgspec", "zmq", "posix_ipc"})
+OURS = frozenset({"agentserve", "probe", "lane_check", "bench_ring", "gpu_probe", "gpu_probe_attention"})
+CARRIED = frozenset({"msgspec", "zmq", "posix_ipc", "llguidance"})
 
 
 def foreign_imports(repo: Path) -> dict[str, list[str]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ["environment", "sm_resource", "sm_map", "events_graph", "physics", "model", "memory", "ring",
+SECTIONS = ["environment", "sm_resource", "sm_map", "events_graph", "physics", "model", "attention", "memory", "ring",
             "pytest_gpu"]
 
 
@@ -51,5 +51,5 @@ def test_carried_wheels_are_the_probe_allowlist() -> None:
     lines = [ln for ln in (ROOT / "scripts" / "gpu_wheels.txt").read_text().splitlines() if ln and ln[0] != "#"]
     names = {ln.split("==")[0] for ln in lines}
     assert all("==" in ln for ln in lines), "every carried wheel is pinned"
-    import_names = {"msgspec": "msgspec", "pyzmq": "zmq", "posix-ipc": "posix_ipc"}
+    import_names = {"msgspec": "msgspec", "pyzmq": "zmq", "posix-ipc": "posix_ipc", "llguidance": "llguidance"}
     assert {import_names[n] for n in names} == set(CARRIED)
