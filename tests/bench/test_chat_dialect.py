@@ -1,0 +1,103 @@
+"""The ``chat`` dialect of the stateless-server driver: text messages, replies resent exactly as answered,
+token counts topped up from the usage chunk, and the model taken from ``/v1/models`` when none is given."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from agentserve.bench.openai_driver import TEXT_ALPHABET, OpenAIDriver, ids_to_text
+
+
+class FakeChatServer:
+    """Streams a reply of ``pieces`` (one content chunk each; ``""`` is a chunk with no text, as a server
+    holding back a partial UTF-8 character sends), then a usage chunk claiming ``tokens`` tokens."""
+
+    def __init__(self, pieces: list[str], tokens: int) -> None:
+        self.pieces, self.tokens = pieces, tokens
+        self.bodies: list[dict] = []
+        self.paths: list[str] = []
+        self.server: asyncio.base_events.Server | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _handle(self, reader, writer):
+        path = (await reader.readline()).decode().split(" ")[1]
+        length = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        body = json.loads(await reader.readexactly(length)) if length else {}
+        self.paths.append(path)
+        self.bodies.append(body)
+        if path == "/v1/models":
+            data = json.dumps({"object": "list", "data": [{"id": "served-name"}]}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+            events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+            events += [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in self.pieces]
+            events += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+                       {"choices": [], "usage": {"completion_tokens": self.tokens}}]
+            for event in events:
+                writer.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                await writer.drain()
+            writer.write(b"data: [DONE]\n\n")
+        await writer.drain()
+        writer.close()
+
+
+def test_chat_turns_resend_the_conversation_with_replies_as_answered() -> None:
+    async def main():
+        async with FakeChatServer(["a\ufffd", "", "b"], tokens=4) as server:
+            driver = OpenAIDriver(server.url, dialect="chat", model="m", pad_id=7)
+            await driver.connect()
+            session = await driver.open_session()
+            first = [c async for c in session.turn([0, 1, 61, 62], 4)]
+            second = [c async for c in session.turn([5], 4)]
+            await session.close()
+            return server, first, second
+
+    server, first, second = asyncio.run(main())
+    assert server.paths == ["/v1/chat/completions"] * 2  # a model was given: no /v1/models lookup
+    # two content chunks with text, then the usage chunk's remainder: 4 tokens in all
+    assert [ids for ids, _ in first] == [[7], [7], [7, 7]]
+    assert sum(len(ids) for ids, _ in second) == 4
+    b1, b2 = server.bodies
+    assert b1["model"] == "m" and b1["max_tokens"] == 4 and b1["ignore_eos"] is True and b1["stream"] is True
+    assert b1["stream_options"] == {"include_usage": True}
+    assert b1["messages"] == [{"role": "user", "content": "ab9a"}]
+    assert b2["messages"] == [{"role": "user", "content": "ab9a"}, {"role": "assistant", "content": "a\ufffdb"},
+                              {"role": "user", "content": "f"}]
+
+
+def test_chat_without_a_model_asks_the_server_which_it_serves() -> None:
+    async def main():
+        async with FakeChatServer(["x"], tokens=1) as server:
+            driver = OpenAIDriver(server.url, dialect="chat")
+            await driver.connect()
+            session = await driver.open_session()
+            [c async for c in session.turn([3], 1)]
+            return server
+
+    server = asyncio.run(main())
+    assert server.paths == ["/v1/models", "/v1/chat/completions"]
+    assert server.bodies[1]["model"] == "served-name"
+
+
+def test_ids_to_text_is_one_alphanumeric_character_per_id() -> None:
+    ids = list(range(300))
+    text = ids_to_text(ids)
+    assert len(text) == 300 and set(text) <= set(TEXT_ALPHABET)
+    assert text == ids_to_text(ids) and text[:62] == TEXT_ALPHABET
