@@ -15,7 +15,8 @@ dialects:
   is one ASCII letter or digit (:func:`ids_to_text`): one token each on the byte-level built-in models,
   fewer on a BPE vocabulary. A turn is a user message; the reply is resent exactly as answered (so a
   server that keys conversations by their messages continues them). The count is one token per
-  non-empty content chunk, topped up from the usage chunk (a token held back inside a UTF-8 character).
+  non-empty content chunk, topped up from the usage chunk (a token held back inside a UTF-8 character);
+  a stream that ends without a ``finish_reason`` (a server that died mid-reply) is an error.
 
 Generated ids the server did not report are replaced by ``pad_id`` in the resent conversation, so
 every system sees contexts of the same length (the server's cache then misses from that point).
@@ -125,11 +126,12 @@ class ChatSession:
 
     async def turn(self, prompt_ids: Sequence[int], max_tokens: int) -> AsyncIterator[Chunk]:
         self.messages.append({"role": "user", "content": ids_to_text(prompt_ids)})
-        seen, reply = 0, []
+        seen, reply, finished = 0, [], False
         async for event in post_sse(self.url, self._body(max_tokens)):
             t = time.perf_counter()
             choices = event.get("choices") or []
             text = (choices[0].get("delta") or {}).get("content") if choices else None
+            finished = finished or bool(choices and choices[0].get("finish_reason"))
             n = 1 if text else 0
             if not choices and event.get("usage"):  # the usage chunk: tokens no chunk carried
                 n = max(0, int(event["usage"].get("completion_tokens", seen)) - seen)
@@ -138,6 +140,8 @@ class ChatSession:
             if n:
                 seen += n
                 yield [self.pad_id] * n, t
+        if not finished:  # the connection broke mid-reply (a server that died): not an answer
+            raise ConnectionError(f"the reply stream ended after {seen} tokens without a finish_reason")
         self.messages.append({"role": "assistant", "content": "".join(reply)})
 
     async def close(self) -> None:

@@ -38,6 +38,20 @@ log = logging.getLogger("agentserve.fleet")
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 
+READY = "AgentServe fleet ready: "
+
+
+def parse_ready_line(line: str) -> dict[str, Any]:
+    """The URLs in ``fleet up``'s ready line: ``router``, ``workers`` (a list), ``metrics``, ``logs``."""
+    if not line.startswith(READY):
+        raise ValueError(f"not the fleet's ready line: {line!r}")
+    parts = line[len(READY):].strip().split(" · ")
+    fields = {p.split(" ", 1)[0]: p.split(" ", 1)[1] for p in parts[1:]}
+    workers = next(p for p in parts if " workers " in p).split(" workers ", 1)[1].split()
+    return {"router": parts[0], "workers": workers, "policy": fields["policy"],
+            "metrics": fields["router"].removeprefix("metrics "), "logs": fields["logs"]}
+
+
 class FleetError(RuntimeError):
     """The fleet could not start (a member exited or did not get ready in time)."""
 
@@ -182,7 +196,7 @@ class Fleet:
     def announce(self) -> None:
         assert self.router is not None
         click.echo(
-            f"AgentServe fleet ready: {self.router.url} · policy {self.router_cfg.get('policy', 'cache_aware')} · "
+            f"{READY}{self.router.url} · policy {self.router_cfg.get('policy', 'cache_aware')} · "
             f"{len(self.workers)} workers {' '.join(w.url for w in self.workers)} · model {self.cfg['model']} · "
             f"router metrics {self.router.metrics_url} · logs {self.log_dir}"
         )

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from agentserve.bench.openai_driver import TEXT_ALPHABET, OpenAIDriver, ids_to_text
 
 
@@ -13,8 +15,8 @@ class FakeChatServer:
     """Streams a reply of ``pieces`` (one content chunk each; ``""`` is a chunk with no text, as a server
     holding back a partial UTF-8 character sends), then a usage chunk claiming ``tokens`` tokens."""
 
-    def __init__(self, pieces: list[str], tokens: int) -> None:
-        self.pieces, self.tokens = pieces, tokens
+    def __init__(self, pieces: list[str], tokens: int, cut: bool = False) -> None:
+        self.pieces, self.tokens, self.cut = pieces, tokens, cut
         self.bodies: list[dict] = []
         self.paths: list[str] = []
         self.server: asyncio.base_events.Server | None = None
@@ -48,12 +50,14 @@ class FakeChatServer:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
             events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
             events += [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in self.pieces]
-            events += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
-                       {"choices": [], "usage": {"completion_tokens": self.tokens}}]
+            if not self.cut:  # cut: the connection closes mid-reply, as when the server dies
+                events += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+                           {"choices": [], "usage": {"completion_tokens": self.tokens}}]
             for event in events:
                 writer.write(b"data: " + json.dumps(event).encode() + b"\n\n")
                 await writer.drain()
-            writer.write(b"data: [DONE]\n\n")
+            if not self.cut:
+                writer.write(b"data: [DONE]\n\n")
         await writer.drain()
         writer.close()
 
@@ -101,3 +105,18 @@ def test_ids_to_text_is_one_alphanumeric_character_per_id() -> None:
     text = ids_to_text(ids)
     assert len(text) == 300 and set(text) <= set(TEXT_ALPHABET)
     assert text == ids_to_text(ids) and text[:62] == TEXT_ALPHABET
+
+
+def test_a_reply_cut_off_mid_stream_is_an_error() -> None:
+    async def main():
+        async with FakeChatServer(["a", "b"], tokens=5, cut=True) as server:
+            session = await OpenAIDriver(server.url, dialect="chat", model="m").open_session()
+            got = []
+            with pytest.raises(ConnectionError, match="without a finish_reason"):
+                async for chunk in session.turn([1], 5):
+                    got.append(chunk)
+            return got, session.messages
+
+    got, messages = asyncio.run(main())
+    assert len(got) == 2  # the tokens that did arrive were streamed
+    assert messages == [{"role": "user", "content": "b"}]  # no reply was filed
