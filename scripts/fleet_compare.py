@@ -38,20 +38,26 @@ from agentserve.cli.fleet_members import agentserve_executable, worker_command
 from agentserve.protocol.endpoints import default_endpoint
 
 COUNTERS = ("request_success_total", "conversation_continuations_total", "prefix_cache_hits_total",
-            "prefix_cache_queries_total")
+            "prefix_cache_queries_total", "prefix_cache_hits_by_class_total:resume",
+            "prefix_cache_queries_by_class_total:resume")
 
 
 def counters(url: str) -> dict[str, float]:
-    """Sums of the counters above in a worker's ``/metrics`` (zeros if it does not answer)."""
+    """Sums of the counters above in a worker's ``/metrics`` (``name:class`` for a class; zeros if it does
+    not answer)."""
     out = dict.fromkeys(COUNTERS, 0.0)
     try:
         text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
     except OSError:
         return out
     for line in text.splitlines():
-        m = re.match(r"agentserve:(\w+)\{[^}]*\} (\S+)$", line)
-        if m and m.group(1) in out:
-            out[m.group(1)] += float(m.group(2))
+        m = re.match(r"agentserve:(\w+)\{([^}]*)\} (\S+)$", line)
+        if not m:
+            continue
+        cls = re.search(r'class="(\w+)"', m.group(2))
+        key = f"{m.group(1)}:{cls.group(1)}" if cls else m.group(1)
+        if key in out:
+            out[key] += float(m.group(3))
     return out
 
 
@@ -132,10 +138,15 @@ def summarise(policy: str, fleet: dict, before: dict, after: dict, report: dict,
     continued = sum(d["conversation_continuations_total"] for d in delta.values())
     hits = sum(d["prefix_cache_hits_total"] for d in delta.values())
     queries = sum(d["prefix_cache_queries_total"] for d in delta.values())
+    resume_hits = sum(d["prefix_cache_hits_by_class_total:resume"] for d in delta.values())
+    resume_queries = sum(d["prefix_cache_queries_by_class_total:resume"] for d in delta.values())
+    turns = sum(d["request_success_total"] for d in delta.values())
     out = {
         "policy": policy, "turns": report["requests"], "errors": report["errors"], "resume_turns": resumes,
         "resume_turns_from_cache": continued / resumes if resumes else None,
+        "continued_prompt_tokens_cached": resume_hits / resume_queries if resume_queries else None,
         "prompt_tokens_cached": hits / queries if queries else None,
+        "tokens_prefilled_per_turn": (queries - hits) / turns if turns else None,
         "requests_per_worker": [d["request_success_total"] for d in delta.values()],
         "ttft_resume_p50_ms": report["ttft_resume"]["p50"], "ttft_resume_p95_ms": report["ttft_resume"]["p95"],
         "ttft_cold_p95_ms": report["ttft_cold"]["p95"], "e2e_p99_ms": report["e2e"]["p99"],
