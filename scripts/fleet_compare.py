@@ -4,6 +4,9 @@
     python scripts/fleet_compare.py --policies cache_aware,round_robin --duration 60 --json fleet.json
     python scripts/fleet_compare.py --policies cache_aware --kill-at 20 --restart-after 10
 
+``cache_aware@0.3`` runs cache_aware with ``--cache-threshold 0.3`` (the router's default) instead of
+configs/fleet.toml's.
+
 For every policy: a fresh fleet (``--workers`` workers of ``--model``), the react workload through the
 router with the ``chat`` dialect, the workers' ``/metrics`` scraped before and after.  Reported:
 
@@ -62,8 +65,10 @@ def counters(url: str) -> dict[str, float]:
 
 
 def start_fleet(args: argparse.Namespace, policy: str, log_dir: Path) -> tuple[subprocess.Popen, dict]:
+    policy, _, threshold = policy.partition("@")  # cache_aware@0.3: another --cache-threshold
+    extra = ["--router-arg=--cache-threshold", f"--router-arg={threshold}"] if threshold else []
     cmd = [agentserve_executable(), "fleet", "up", "--workers", str(args.workers), "--model", args.model,
-           "--policy", policy, "--port", "0", "--worker-base-port", "0", "--metrics-port", "0",
+           "--policy", policy, "--port", "0", "--worker-base-port", "0", "--metrics-port", "0", *extra,
            "--name", f"cmp{os.getpid()}", "--log-dir", str(log_dir),
            *[f"--server-arg={a}" for a in args.server_arg]]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -89,6 +94,7 @@ def fault(args: argparse.Namespace, fleet: dict, log_dir: Path) -> tuple[dict, s
     time.sleep(args.kill_at)
     pid = int(subprocess.run(["pgrep", "-f", f"agentserve up .*--run {run} "], capture_output=True, text=True)
               .stdout.split()[0])
+    last = counters(fleet["workers"][0])  # its counters start again at zero when it is restarted
     os.kill(pid, signal.SIGKILL)
     killed = time.time()
     time.sleep(args.restart_after)
@@ -96,11 +102,11 @@ def fault(args: argparse.Namespace, fleet: dict, log_dir: Path) -> tuple[dict, s
     cmd = worker_command(args.model, run, host, int(port), default_endpoint(run), list(args.server_arg))
     with (log_dir / "worker0-restarted.log").open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    return {"killed": killed, "restarted": time.time()}, proc
+    return {"killed": killed, "restarted": time.time(), "worker0_before_kill": last}, proc
 
 
 def run_policy(args: argparse.Namespace, policy: str) -> dict:
-    log_dir = Path(tempfile.mkdtemp(prefix=f"fleet-{policy}-"))
+    log_dir = Path(tempfile.mkdtemp(prefix=f"fleet-{policy.replace('@', '-')}-"))
     proc, fleet = start_fleet(args, policy, log_dir)
     restarted = None
     try:
@@ -121,6 +127,9 @@ def run_policy(args: argparse.Namespace, policy: str) -> dict:
         bench.wait()
         stop.set()
         after = {w: counters(w) for w in fleet["workers"]}
+        if events:  # worker 0's whole run: up to the kill, plus the restarted worker's counters
+            w0 = fleet["workers"][0]
+            after[w0] = {k: v + events["worker0_before_kill"][k] for k, v in after[w0].items()}
         report = json.loads(bench_json.read_text())["policies"]["target"]
         return summarise(policy, fleet, before, after, report, samples, events,
                          (log_dir / "bench.log").read_text(errors="replace"))
@@ -158,8 +167,6 @@ def summarise(policy: str, fleet: dict, before: dict, after: dict, report: dict,
         back = [t for t, h in samples if t > events["restarted"] and h.get(w0) is True]
         out["worker0_unhealthy_after_s"] = round(down[0] - events["killed"], 1) if down else None
         out["worker0_healthy_after_restart_s"] = round(back[0] - events["restarted"], 1) if back else None
-        # worker 0 restarted: its counters began again at zero; only worker 1's delta is meaningful
-        out["requests_per_worker"][0] = None
     return out
 
 

@@ -4,62 +4,30 @@ token counts topped up from the usage chunk, and the model taken from ``/v1/mode
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
+from bench_fakes import FakeCompletionServer
 
 from agentserve.bench.openai_driver import TEXT_ALPHABET, OpenAIDriver, ids_to_text
 
 
-class FakeChatServer:
+class FakeChatServer(FakeCompletionServer):
     """Streams a reply of ``pieces`` (one content chunk each; ``""`` is a chunk with no text, as a server
-    holding back a partial UTF-8 character sends), then a usage chunk claiming ``tokens`` tokens."""
+    holding back a partial UTF-8 character sends), then a usage chunk claiming ``tokens`` tokens; ``cut``
+    closes the connection after the pieces, as a server that dies mid-reply."""
 
     def __init__(self, pieces: list[str], tokens: int, cut: bool = False) -> None:
+        super().__init__()
         self.pieces, self.tokens, self.cut = pieces, tokens, cut
-        self.bodies: list[dict] = []
-        self.paths: list[str] = []
-        self.server: asyncio.base_events.Server | None = None
+        self.json_replies["/v1/models"] = {"object": "list", "data": [{"id": "served-name"}]}
 
-    @property
-    def url(self) -> str:
-        host, port = self.server.sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}"
-
-    async def __aenter__(self):
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        return self
-
-    async def __aexit__(self, *exc):
-        self.server.close()
-        await self.server.wait_closed()
-
-    async def _handle(self, reader, writer):
-        path = (await reader.readline()).decode().split(" ")[1]
-        length = 0
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":")[1])
-        body = json.loads(await reader.readexactly(length)) if length else {}
-        self.paths.append(path)
-        self.bodies.append(body)
-        if path == "/v1/models":
-            data = json.dumps({"object": "list", "data": [{"id": "served-name"}]}).encode()
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
-        else:
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
-            events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
-            events += [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in self.pieces]
-            if not self.cut:  # cut: the connection closes mid-reply, as when the server dies
-                events += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
-                           {"choices": [], "usage": {"completion_tokens": self.tokens}}]
-            for event in events:
-                writer.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-                await writer.drain()
-            if not self.cut:
-                writer.write(b"data: [DONE]\n\n")
-        await writer.drain()
-        writer.close()
+    def _events(self, path, body):
+        yield {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        for piece in self.pieces:
+            yield {"choices": [{"index": 0, "delta": {"content": piece}}]}
+        if not self.cut:
+            yield {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+            yield {"choices": [], "usage": {"completion_tokens": self.tokens}}
 
 
 def test_chat_turns_resend_the_conversation_with_replies_as_answered() -> None:
