@@ -72,7 +72,6 @@ def fleet(tmp_path_factory):
     assert not left, f"worker processes left behind: {left}"
     assert not [r for r in (default_endpoint(f"{f.name}-w{i}") for i in range(2))
                 if os.path.exists(r.removeprefix("ipc://"))], "ipc sockets left behind"
-    assert not f.logs_dir.exists() or "router.log" in os.listdir(f.logs_dir)  # --log-dir is kept
 
 
 def counters(url: str) -> dict[str, float]:
