@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket as sock
 import subprocess
 import sys
 import urllib.error
@@ -103,13 +104,23 @@ class Worker(Member):
 
     def clean_up(self, socket: bool = True) -> list[str]:
         """Remove what an unclean exit left: the run's shared memory (only segments whose owner is dead)
-        and, with ``socket``, its ipc socket (call that only when this worker's ``up`` is gone)."""
+        and, with ``socket``, its ipc socket unless something still listens there (a worker restarted by
+        hand on the same run)."""
         removed = cleanup_stale(f"{PREFIX}-{self.run}-")
         path = ipc_path(self.endpoint)
-        if socket and path is not None and path.exists():
+        if socket and path is not None and path.exists() and not _listening(path):
             path.unlink(missing_ok=True)
             removed.append(str(path))
         return removed
+
+
+def _listening(path: Path) -> bool:
+    with sock.socket(sock.AF_UNIX, sock.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def worker_command(model: str, run: str, host: str, port: int, endpoint: str, extra: list[str]) -> list[str]:

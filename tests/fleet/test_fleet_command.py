@@ -71,3 +71,16 @@ def test_without_the_router_installed_fleet_up_says_what_to_install(monkeypatch)
                         lambda name, *a: None if name == "sglang_router" else real(name, *a))
     result = CliRunner().invoke(fleet_cli.fleet, ["up", "--workers", "2"])
     assert result.exit_code != 0 and "agentserve[fleet]" in result.output
+
+
+def test_clean_up_removes_a_dead_workers_socket_but_not_a_live_one(tmp_path) -> None:
+    import socket
+
+    worker = make_worker(0, "f", "tiny", "127.0.0.1", 9000, [], tmp_path)
+    worker.endpoint = f"ipc://{tmp_path}/w0.sock"
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(tmp_path / "w0.sock"))
+    live.listen()
+    assert worker.clean_up() == [] and (tmp_path / "w0.sock").exists()  # a worker restarted by hand
+    live.close()  # the file stays, nobody listens: what a SIGKILLed `up` leaves
+    assert worker.clean_up() == [str(tmp_path / "w0.sock")] and not (tmp_path / "w0.sock").exists()
