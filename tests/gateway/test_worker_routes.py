@@ -5,6 +5,7 @@ not-yet-connected case, an app whose orchestrator does not exist."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -40,16 +41,20 @@ def test_model_info_comes_from_the_checkpoint_config(http) -> None:
 
 
 def test_get_load_counts_a_running_request_and_its_kv(http_server, http) -> None:
+    """Polled while a 3,000-token prompt is prefilled and decoded: the request and its KV show up."""
     idle = http.get("/get_load").json()
     assert isinstance(idle, list) and len(idle) == 1 and idle[0]["dp_rank"] == 0
-    prompt = [10 + i % 240 for i in range(400)]
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    with http.stream("POST", "/v1/completions", json=body) as stream:
-        assert stream.status_code == 200
-        assert next(stream.iter_lines()).startswith("data: {")  # the turn is running
-        busy = http.get("/get_load").json()[0]
-    assert busy["num_reqs"] >= 1
-    assert busy["num_tokens"] >= 400 and busy["num_tokens"] > idle[0]["num_tokens"]  # the prompt's KV is in use
+    prompt = [10 + (i * 7) % 240 for i in range(3000)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1000, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(http.post, "/v1/completions", json=body)
+        seen = []
+        while not answer.done():
+            seen.append(http.get("/get_load").json()[0])
+    assert answer.result().status_code == 200
+    busiest = max(seen, key=lambda load: load["num_reqs"])
+    assert busiest["num_reqs"] >= 1, seen
+    assert max(load["num_tokens"] for load in seen) >= idle[0]["num_tokens"] + 3000  # the prompt's KV
 
 
 def test_flush_cache_closes_the_idle_conversations(http_server, http) -> None:
