@@ -178,8 +178,9 @@ def _check_errors(out: dict[str, Any], runs: sweep.SweepRuns) -> None:
 @click.option("--report-out", type=click.Path(dir_okay=False), default=None,
               help="where --report writes [default: DIR/paper.md]")
 @click.option("--target", default=None, help="benchmark an external server at http://HOST:PORT instead")
-@click.option("--target-dialect", type=click.Choice(["openai", "llamacpp"]), default="openai",
-              show_default=True, help="/v1/completions or llama.cpp's native /completion")
+@click.option("--target-dialect", type=click.Choice(["openai", "llamacpp", "chat"]), default="openai",
+              show_default=True, help="/v1/completions (token ids), llama.cpp's native /completion, or "
+                                      "/v1/chat/completions (text; what a router such as sglang-router takes)")
 @click.option("--target-model", default=None, help="the `model` field sent to --target")
 @click.option("--tool-latency-median", type=float, default=None, help="seconds (log-normal median)")
 @click.option("--tool-latency-sigma", type=float, default=None, help="log-normal sigma")

@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "doctor": "agentserve.cli.doctor:doctor",
     "bench": "agentserve.cli.bench:bench",
     "generate": "agentserve.cli.generate:generate",
+    "fleet": "agentserve.cli.fleet:fleet",
 }
 
 

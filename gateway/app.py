@@ -21,10 +21,11 @@ from agentserve.gateway.completions import completions
 from agentserve.gateway.errors import APIError, unauthorized
 from agentserve.gateway.info_routes import health, metrics, models
 from agentserve.gateway.tokenize_routes import detokenize, tokenize
+from agentserve.gateway.worker_routes import flush_cache, get_load, health_generate, model_info, server_info
 
 log = logging.getLogger("agentserve.gateway")
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # served without the API key (probes, scrapers)
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # no API key: probes, scrapers
 
 
 class APIKeyCheck:
@@ -70,6 +71,20 @@ def routes() -> list[Route]:
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *worker_routes(),
+    ]
+
+
+def worker_routes() -> list[Route]:
+    """SGLang's worker endpoints that a router (the SGLang Model Gateway) calls (gateway/worker_routes.py)."""
+    return [
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/model_info", model_info, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/get_load", get_load, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["POST"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
     ]
 
 

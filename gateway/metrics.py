@@ -3,9 +3,9 @@
 Every vLLM metric is emitted under ``agentserve:`` and, with ``--metrics-compat vllm``, also under
 ``vllm:`` (so an existing vLLM Grafana dashboard works unchanged).  Request metrics are observed by
 the gateway as each request's turns end; the gauges are read from the orchestrator's stats snapshot
-at scrape time.  AgentServe's own metrics (``agentserve:`` only): TTFT by class (cold / resume), the
-controller's ``B_prefill`` and ``R_min``, the rung in use, lane utilisation, pinned KV blocks, and
-the gateway's own counters.
+at scrape time.  AgentServe's own metrics (``agentserve:`` only): TTFT and prefix-cache tokens by
+class (cold: a new conversation, resume: a continued one), the controller's ``B_prefill`` and
+``R_min``, the rung in use, lane utilisation, pinned KV blocks, and the gateway's own counters.
 
 ``request_queue_time_seconds`` is observed only when the orchestrator reports a queue time (it does
 not split queueing from prefill yet); ``request_prefill_time_seconds`` is then arrival → first token.
@@ -94,6 +94,10 @@ class Metrics:
         self.ttft_class = h("time_to_first_token_by_class_seconds",
                             "TTFT by request class: cold (a new conversation) or resume (a continued one).",
                             TTFT_BUCKETS, ["class"], **own)
+        self.queries_class = c("prefix_cache_queries_by_class", "Prompt tokens by request class (cold | resume).",
+                               ["class"], **own)
+        self.hits_class = c("prefix_cache_hits_by_class", "Prompt tokens served from the KV cache, by request class.",
+                            ["class"], **own)
         self.b_prefill = g("controller_b_prefill_tokens", "The controller's resume-prefill budget B_prefill.", **own)
         self.r_min = g("controller_r_min_rung", "The controller's decode reserve R_min (a rung index).", **own)
         self.rung = g("partition_rung", "The partition rung the decode lane runs on.", **own)
@@ -129,9 +133,12 @@ class Metrics:
                 resumed: bool, finish: str) -> None:
         """One finished choice: ``done`` is its ``Done`` event (usage, server timings)."""
         usage, timings = done.usage, done.timings
+        by_class = {"class": "resume" if resumed else "cold"}
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
-            self.ttft_class.labels(**{"class": "resume" if resumed else "cold"}).observe(ttft_s)
+            self.ttft_class.labels(**by_class).observe(ttft_s)
+        self.queries_class.labels(**by_class).inc(usage.prompt_tokens)
+        self.hits_class.labels(**by_class).inc(usage.cached_tokens)
         for gap in gaps_s:
             self.itl.observe(gap)
         self.e2e.observe(e2e_s)

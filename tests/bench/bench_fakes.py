@@ -66,6 +66,7 @@ class FakeCompletionServer:
         self.paths: list[str] = []
         self.hold_back = hold_back
         self.status = status
+        self.json_replies: dict[str, dict] = {"/health": {"status": "ok"}}  # paths answered with fixed JSON
         self.server: asyncio.base_events.Server | None = None
 
     @property
@@ -91,8 +92,9 @@ class FakeCompletionServer:
         path = request_line.split(" ")[1]
         self.paths.append(path)
         self.bodies.append(body)
-        if path == "/health":
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{\"status\":\"ok\"}")
+        if path in self.json_replies:
+            data = json.dumps(self.json_replies[path], separators=(",", ":")).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
         elif self.status != 200:
             msg = b'{"error":"bad request"}'
             writer.write(b"HTTP/1.1 %d Bad\r\nContent-Length: %d\r\n\r\n%s" % (self.status, len(msg), msg))

@@ -76,3 +76,26 @@ def test_ttft_by_class_and_agentserve_gauges(http_server, openai_client) -> None
     requests = after["agentserve:http_requests"]
     assert any(s.labels == {"model_name": "tiny", "path": "/v1/chat/completions", "status": "200"}
                for s in requests.samples)
+
+
+def test_prefix_cache_tokens_by_class(http_server, openai_client) -> None:
+    """A continued conversation's prompt is counted under `resume` with most of it cached; a new one under
+    `cold`; the class counters add up to the all-request ones."""
+    before = scrape(http_server.url)
+    messages = [{"role": "user", "content": "by class " * 30}]
+    r1 = openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
+    messages += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "go"}]
+    r2 = openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
+    after = scrape(http_server.url)
+
+    def grew(name: str, **labels: str) -> float:
+        family = f"agentserve:{name}"
+        return value(after, family, family + "_total", **labels) - value(before, family, family + "_total", **labels)
+
+    assert grew("prefix_cache_queries_by_class", **{"class": "cold"}) == r1.usage.prompt_tokens
+    assert grew("prefix_cache_queries_by_class", **{"class": "resume"}) == r2.usage.prompt_tokens
+    assert grew("prefix_cache_hits_by_class", **{"class": "resume"}) == r2.usage.prompt_tokens_details.cached_tokens
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0.8 * r2.usage.prompt_tokens  # the first turn was held
+    for kind in ("queries", "hits"):
+        by_class = grew(f"prefix_cache_{kind}_by_class")
+        assert by_class == grew(f"prefix_cache_{kind}")

@@ -1,0 +1,86 @@
+"""``agentserve fleet up``'s pieces that need no processes: settings precedence, the router's command line,
+the ready line, and the errors for a missing router or a non-loopback host."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from agentserve.cli import fleet as fleet_cli
+from agentserve.cli.fleet import READY, _settings, parse_ready_line
+from agentserve.cli.fleet_members import make_worker, router_command
+from agentserve.protocol.endpoints import EndpointError
+
+NO_FLAGS = {"config_file": None, "workers": None, "model": None, "host": None, "port": None,
+            "worker_base_port": None, "metrics_port": None, "name": None, "policy": None, "allow_remote": False}
+
+
+def test_packaged_settings_then_file_then_environment_then_flags(tmp_path, monkeypatch) -> None:
+    defaults = _settings(NO_FLAGS)
+    assert defaults["fleet"]["workers"] == 2 and defaults["router"]["policy"] == "cache_aware"
+    assert defaults["router"]["cache_threshold"] == 0.9
+    config = tmp_path / "fleet.toml"
+    config.write_text("[fleet]\nworkers = 3\nname = \"f\"\n[router]\ncache_threshold = 0.8\n")
+    monkeypatch.setenv("AGENTSERVE_FLEET_NAME", "from-env")
+    merged = _settings({**NO_FLAGS, "config_file": str(config), "policy": "round_robin", "port": 0})
+    assert merged["fleet"]["workers"] == 3 and merged["fleet"]["name"] == "from-env"
+    assert merged["fleet"]["router_port"] == 0
+    assert merged["router"] == {**defaults["router"], "cache_threshold": 0.8, "policy": "round_robin"}
+
+
+def test_a_non_loopback_host_needs_allow_remote() -> None:
+    with pytest.raises(EndpointError):
+        _settings({**NO_FLAGS, "host": "0.0.0.0"})
+    assert _settings({**NO_FLAGS, "host": "0.0.0.0", "allow_remote": True})["fleet"]["host"] == "0.0.0.0"
+
+
+def test_every_router_setting_becomes_a_flag() -> None:
+    cmd = router_command(["http://127.0.0.1:1", "http://127.0.0.1:2"], "127.0.0.1", 30000, 29000,
+                         {"policy": "cache_aware", "cache_threshold": 0.9, "dp_aware": True, "disable_retries": False},
+                         ["--log-level", "debug"])
+    assert cmd[:3] == [sys.executable, "-m", "sglang_router.launch_router"]
+    assert cmd[3:6] == ["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2"]
+    tail = cmd[cmd.index("--prometheus-port") + 2:]
+    assert tail == ["--policy", "cache_aware", "--cache-threshold", "0.9", "--dp-aware", "--log-level", "debug"]
+
+
+def test_each_worker_has_its_own_run_socket_and_port(tmp_path) -> None:
+    workers = [make_worker(i, "f", "tiny", "127.0.0.1", 9000 + i, ["--dtype", "float32"], tmp_path) for i in (0, 1)]
+    assert [w.run for w in workers] == ["f-w0", "f-w1"]
+    assert len({w.endpoint for w in workers}) == 2 and all("f-w" in w.endpoint for w in workers)
+    assert [w.url for w in workers] == ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+    assert workers[1].command[-4:] == ["--http", "127.0.0.1:9001", "--dtype", "float32"]
+
+
+def test_the_ready_line_parses_back() -> None:
+    line = (f"{READY}http://127.0.0.1:30000 · policy round_robin · 2 workers http://127.0.0.1:30001 "
+            "http://127.0.0.1:30002 · model tiny · router metrics http://127.0.0.1:29000/metrics · logs /tmp/x\n")
+    assert parse_ready_line(line) == {
+        "router": "http://127.0.0.1:30000", "workers": ["http://127.0.0.1:30001", "http://127.0.0.1:30002"],
+        "policy": "round_robin", "metrics": "http://127.0.0.1:29000/metrics", "logs": "/tmp/x"}
+    with pytest.raises(ValueError):
+        parse_ready_line("AgentServe ready on ipc://x")
+
+
+def test_without_the_router_installed_fleet_up_says_what_to_install(monkeypatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(fleet_cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sglang_router" else real(name, *a))
+    result = CliRunner().invoke(fleet_cli.fleet, ["up", "--workers", "2"])
+    assert result.exit_code != 0 and "agentserve[fleet]" in result.output
+
+
+def test_clean_up_removes_a_dead_workers_socket_but_not_a_live_one(tmp_path) -> None:
+    import socket
+
+    worker = make_worker(0, "f", "tiny", "127.0.0.1", 9000, [], tmp_path)
+    worker.endpoint = f"ipc://{tmp_path}/w0.sock"
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(tmp_path / "w0.sock"))
+    live.listen()
+    assert worker.clean_up() == [] and (tmp_path / "w0.sock").exists()  # a worker restarted by hand
+    live.close()  # the file stays, nobody listens: what a SIGKILLed `up` leaves
+    assert worker.clean_up() == [str(tmp_path / "w0.sock")] and not (tmp_path / "w0.sock").exists()
