@@ -20,6 +20,7 @@ from agentserve import configs
 from agentserve.cli.engine_options import engine_config, engine_flags
 from agentserve.cli.gateway_process import GatewayProcess, parse_http
 from agentserve.configs.logging import setup_logging
+from agentserve.executor.errors import EngineError
 from agentserve.orchestrator.executor_link import ExecutorLink, ExecutorSpec, ExecutorStartError
 from agentserve.orchestrator.ingress import Ingress
 from agentserve.orchestrator.limits import ServingLimits, load_limits
@@ -90,8 +91,8 @@ def up(**opts: Any) -> None:
     setup_logging(opts["log_level"], opts["log_json"])
     try:
         code = _up(opts)
-    except (configs.ConfigError, EndpointError, ExecutorStartError, ShmError, ValueError) as e:
-        click.echo(f"agentserve up: {e}", err=True)
+    except (configs.ConfigError, EndpointError, EngineError, ExecutorStartError, ShmError, ValueError) as e:
+        click.echo(f"agentserve up: {e}", err=True)  # a missing model, a bad flag: one line, exit 2
         code = 2
     except KeyboardInterrupt:  # SIGINT / SIGTERM while starting: everything was cleaned up on the way out
         log.info("stopped while starting")

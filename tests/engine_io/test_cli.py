@@ -184,3 +184,9 @@ def test_bad_chat_conversation_is_a_clean_error(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"messages": [{"role": "user", "content": {"nested": 1}}]}) + "\n")
     assert_bad(run("--prompts-file", str(f)), "chat template failed")
+
+
+def test_up_with_an_unknown_model_prints_one_line_and_exits_2(tmp_path):
+    result = CliRunner().invoke(main, ["up", "--model", str(tmp_path / "nope"), "--run", "unknownmodel"])
+    assert result.exit_code == 2
+    assert "unknown model" in result.output and "Traceback" not in result.output
