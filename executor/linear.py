@@ -5,10 +5,13 @@
 - :class:`PackedFp16Linear`: the weight packed once into FBGEMM's fp16 layout and applied to fp32
   activations with fp32 accumulation (``quantized::linear_dynamic_fp16``, the kernel behind PyTorch's
   dynamic fp16 quantization).  Half the bytes of fp32 and a kernel built for the few-row products of decode.
-- :class:`HybridLinear` (CPUs with native bf16 dot products): the packed fp16 matrix for products of at
-  most ``HYBRID_ROWS`` rows (decode: exact, as above) and the checkpoint's bf16 matrix for longer ones
-  (prefill: the activations are rounded to bf16 for the product, which oneDNN runs on the CPU's bf16
-  units with fp32 accumulation; the result is fp32 again).  Twice the weight memory of either alone.
+- :class:`HybridLinear` (CPUs with native bf16 dot products): the packed fp16 matrix for the rows of
+  decode tokens (exact, as above) and the checkpoint's bf16 matrix for the rows of prefill chunks (the
+  activations are rounded to bf16 for the product, which oneDNN runs on the CPU's bf16 units with fp32
+  accumulation; the result is fp32 again; from ~16 rows it is 1.3-2x faster than the packed product).
+  Which rows are which is set per forward with :func:`bf16_rows` — by the chunk a row belongs to, never by
+  the batch's size, so a sequence's numbers do not depend on what it is batched with.  Twice the weight
+  memory of either alone.
 
 Which one a matrix gets (:func:`choose_format`) under the ``weights`` setting: ``dense`` always dense;
 ``fp16`` packs every matrix; ``hybrid`` makes every matrix hybrid; ``auto``, on a CPU running fp32 when the
@@ -20,7 +23,10 @@ significant bits); below 2^-14 it rounds by at most 2^-25.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -30,7 +36,21 @@ from agentserve.executor.errors import EngineError
 
 WEIGHTS_SETTINGS = ("auto", "dense", "fp16", "hybrid")  # what a user asks for; a matrix ends up as one of the rest
 FP16_MAX = 65504.0
-HYBRID_ROWS = 32  # a hybrid matrix runs products of at most this many rows packed fp16, longer ones in bf16
+ALL_ROWS = slice(None)
+_rows = threading.local()  # this thread's forward: which rows hybrid matrices run in bf16 (lane threads differ)
+
+
+@contextlib.contextmanager
+def bf16_rows(rows: torch.Tensor | slice | None, others: torch.Tensor | None = None) -> Iterator[None]:
+    """During one forward pass on this thread: the rows that hybrid matrices multiply in bf16 (``ALL_ROWS``,
+    ``None`` for none, or an index tensor with ``others``, the index tensor of the rest, which take the
+    packed fp16 product)."""
+    before = getattr(_rows, "split", None)
+    _rows.split = None if rows is None else (rows, others)
+    try:
+        yield
+    finally:
+        _rows.split = before
 
 
 class Linear(Protocol):
@@ -71,17 +91,26 @@ class PackedFp16Linear:
 
 
 class HybridLinear:
-    """Few rows: the packed fp16 product on fp32 activations; many rows: a bf16 product, returned in fp32."""
+    """Decode rows: the packed fp16 product on fp32 activations; prefill rows: a bf16 product, in fp32."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = HYBRID_ROWS) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.packed = PackedFp16Linear(weight, bias)
         self.weight16 = weight.to(torch.bfloat16)
         self.bias = None if bias is None else bias.float()
-        self.rows = rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.rows:
+        split = getattr(_rows, "split", None)
+        if split is None:
             return self.packed(x)
+        rows, others = split
+        if rows is ALL_ROWS:
+            return self._bf16(x)
+        out = x.new_empty(x.shape[0], self.weight16.shape[0])
+        out[others] = self.packed(x[others])
+        out[rows] = self._bf16(x[rows])
+        return out
+
+    def _bf16(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x.to(torch.bfloat16), self.weight16).float()
         return y if self.bias is None else y.add_(self.bias)
 

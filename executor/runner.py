@@ -18,7 +18,7 @@ from agentserve.executor.attention import AttentionBatch, create_backend
 from agentserve.executor.checkpoint import ModelConfig, load_config, load_weights
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
 from agentserve.executor.kv_cache import KVCache, bytes_per_block
-from agentserve.executor.linear import check_weights
+from agentserve.executor.linear import ALL_ROWS, bf16_rows, check_weights
 from agentserve.executor.memory import CudaMemory, DeviceMemory, kv_budget_bytes, profile_memory
 from agentserve.executor.model import DecoderModel
 from agentserve.executor.runner_graphs import RunnerGraphs
@@ -87,6 +87,19 @@ def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torc
 
 def _available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def prefill_rows(lens: list[int]) -> tuple[torch.Tensor | slice | None, torch.Tensor | None]:
+    """For a ragged step of chunks of ``lens`` tokens: the rows of chunks longer than one token (prefill, run
+    in bf16 by hybrid matrices) and the rest (one-token chunks: decodes riding in the step), as
+    :func:`~agentserve.executor.linear.bf16_rows` takes them."""
+    long = [n > 1 for n in lens]
+    if all(long):
+        return ALL_ROWS, None
+    if not any(long):
+        return None, None
+    mask = torch.tensor([is_long for is_long, n in zip(long, lens, strict=True) for _ in range(n)])
+    return mask.nonzero().squeeze(1), (~mask).nonzero().squeeze(1)
 
 
 class ModelRunner(RunnerGraphs):
@@ -257,7 +270,8 @@ class ModelRunner(RunnerGraphs):
         batch = AttentionBatch(
             False, lens, [c.start_pos for c in chunks], [c.block_table for c in chunks], slots
         )
-        hidden = self._forward(ids, positions, batch)
+        with bf16_rows(*prefill_rows(lens)):
+            hidden = self._forward(ids, positions, batch)
         if all_logits:
             return list(self.model.logits(hidden).split(lens))
         last = torch.tensor(lens).cumsum(0) - 1

@@ -4,6 +4,7 @@ the format choice on both CPU classes (with and without native bf16)."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -23,14 +24,15 @@ from engine_helpers import (
 
 from agentserve.executor.errors import EngineError
 from agentserve.executor.linear import (
-    HYBRID_ROWS,
+    ALL_ROWS,
     HybridLinear,
     PackedFp16Linear,
+    bf16_rows,
     choose_format,
     cpu_has_fast_bf16,
     fp16_packing_available,
 )
-from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
+from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk, prefill_rows
 
 needs_fbgemm = pytest.mark.skipif(not fp16_packing_available(), reason="no FBGEMM fp16 linear in this build/CPU")
 F32 = torch.float32
@@ -65,21 +67,56 @@ def test_packed_linear_is_fp16_rounded_weight_in_fp32(rows, with_bias):
     assert lin.nbytes == 96 * 40 * 2 + (96 * 4 if with_bias else 0)
 
 
+def _bf16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.bfloat16().float(), w)
+
+
 @needs_fbgemm
-@pytest.mark.parametrize("rows", [1, HYBRID_ROWS, HYBRID_ROWS + 1, 200])
-def test_hybrid_linear_is_packed_fp16_for_few_rows_and_bf16_for_many(rows):
+@pytest.mark.parametrize("rows", [1, 16, 200])
+def test_hybrid_linear_runs_the_rows_it_is_told_in_bf16_and_the_rest_packed(rows):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 40, generator=g).bfloat16().float()  # a bf16 checkpoint's matrix
     b, x = torch.randn(96, generator=g), torch.randn(rows, 40, generator=g)
-    lin = HybridLinear(w, b)
-    got = lin(x)
-    assert got.dtype == F32 and got.shape == (rows, 96)
-    if rows <= HYBRID_ROWS:  # exactly the packed product: fp32 activations, lossless weights
-        assert torch.equal(got, PackedFp16Linear(w, b)(x))
-    else:  # activations and product rounded to bf16 (fp32 accumulation inside), then the fp32 bias
-        ref = F.linear(x.bfloat16().float(), w)
-        assert torch.allclose(got - b, ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
-        assert not torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    lin, packed = HybridLinear(w, b), PackedFp16Linear(w, b)
+    assert torch.equal(lin(x), packed(x))  # no rows named: all packed, exactly (lossless weights)
+    with bf16_rows(ALL_ROWS):
+        got = lin(x)
+    ref = _bf16_product(x, w)  # activations and product rounded to bf16, fp32 accumulation; then the bias
+    assert got.dtype == F32 and torch.allclose(got - b, ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+    assert not torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    half = torch.arange(rows) % 2 == 0
+    with bf16_rows(half.nonzero().squeeze(1), (~half).nonzero().squeeze(1)):
+        mixed = lin(x)
+    assert torch.equal(mixed[~half], packed(x)[~half]) and torch.equal(mixed[half], got[half])
+    assert torch.equal(lin(x), packed(x))  # the context ended
+
+
+@needs_fbgemm
+def test_the_bf16_rows_belong_to_the_thread_that_named_them():
+    w, x = torch.randn(64, 32).bfloat16().float(), torch.randn(20, 32)
+    lin = HybridLinear(w, None)
+    inside, outside = threading.Event(), threading.Event()
+    seen = {}
+
+    def other_thread() -> None:
+        inside.wait(10)
+        seen["other"] = lin(x)
+        outside.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    with bf16_rows(ALL_ROWS):
+        inside.set()
+        outside.wait(10)
+        seen["named"] = lin(x)
+    worker.join()
+    assert torch.equal(seen["other"], PackedFp16Linear(w, None)(x)) and not torch.equal(seen["named"], seen["other"])
+
+
+def test_prefill_rows_are_the_rows_of_chunks_longer_than_one_token():
+    assert prefill_rows([5, 3]) == (ALL_ROWS, None) and prefill_rows([1, 1]) == (None, None)
+    rows, others = prefill_rows([1, 3, 1, 2])
+    assert rows.tolist() == [1, 2, 3, 5, 6] and others.tolist() == [0, 4]
 
 
 @needs_fbgemm
@@ -117,20 +154,37 @@ def test_forced_fp16_on_fp32_checkpoint_matches_fp16_rounded_transformers(cases)
 
 @needs_fbgemm
 def test_hybrid_runner_decodes_exactly_and_prefills_within_bf16_tolerance(case, bf16_checkpoints):
-    """``weights = hybrid`` (``auto``'s choice on CPUs with native bf16; forced here on either class): short
-    prompts never leave the packed path, so greedy generation equals transformers'; a long prefill runs bf16
-    products, its logits within ``BF16_TOL``; a decode step after it is the packed product again."""
+    """``weights = hybrid`` (``auto``'s choice on CPUs with native bf16; forced here on either class): every
+    decode token takes the packed product, so a prompt fed one token per step generates exactly what
+    transformers does; a prefill chunk runs bf16 products, its logits within ``BF16_TOL``."""
     path, hf = bf16_checkpoints[case.name]
     runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64, weights="hybrid")
     assert runner.weight_format == "hybrid" and runner.dtype == F32
-    for prompt in (p[:HYBRID_ROWS] for p in case.prompts):  # one prefill each: at most HYBRID_ROWS rows
-        assert greedy_generate(runner, [prompt], 8) == [hf_greedy(hf, prompt, 8)]
-    long = case.prompts[3]  # 70 tokens: one prefill of more than HYBRID_ROWS rows
-    got = runner.prefill([PrefillChunk(long, 0, list(range(8)))], all_logits=True)[0]
-    ref = hf_logits(hf, long)
-    assert REL_TOL < rel_err(got, ref) < BF16_TOL  # the bf16 products are visible, and small
-    dec = runner.decode([DecodeItem(7, len(long), list(range(8)))])[0]
-    assert rel_err(dec, hf_logits(hf, long + [7])[-1]) < BF16_TOL
+    prompt = case.prompts[1]
+    driver = GreedyDriver(runner, 1)
+    for token in prompt[:-1]:
+        driver.decode([0], [token])
+    logits = driver.decode([0], [prompt[-1]])
+    assert driver.generate([0], logits, 16) == [hf_greedy(hf, prompt, 16)]
+    long = case.prompts[3]
+    got = runner.prefill([PrefillChunk(long, 0, list(range(32, 40)))], all_logits=True)[0]
+    assert REL_TOL < rel_err(got, hf_logits(hf, long)) < BF16_TOL  # the bf16 products are visible, and small
+
+
+@needs_fbgemm
+def test_a_hybrid_sequence_computes_the_same_whatever_it_is_batched_with(bf16_checkpoints):
+    """Rows go to bf16 by the chunk they belong to, not by the batch's size: a chunk's logits are bitwise the
+    same alone, beside another chunk, and beside one-token (decode) rows in the same step."""
+    path, _ = bf16_checkpoints["qwen2_tied_bias"]
+    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64, weights="hybrid")
+    a, b = random_prompts([23, 40], seed=11)
+    alone = runner.prefill([PrefillChunk(a, 0, list(range(8)))], all_logits=True)[0]
+    pair = runner.prefill([PrefillChunk(b, 0, list(range(8, 16))), PrefillChunk(a, 0, list(range(8)))],
+                          all_logits=True)[1]
+    runner.prefill([PrefillChunk(b[:5], 0, list(range(16, 24)))])
+    mixed = runner.prefill([PrefillChunk([b[5]], 5, list(range(16, 24))), PrefillChunk(a, 0, list(range(8)))],
+                           all_logits=True)[1]
+    assert torch.equal(alone, pair) and torch.equal(alone, mixed)
 
 
 def test_auto_keeps_fp32_checkpoints_and_bf16_runners_dense(cases, bf16_checkpoints):
