@@ -92,7 +92,20 @@ def report(prefer: str | None = None, *, device: int = 0, driver: Any = None, cu
         backend.close()
     info["versions"] = versions()
     info["missing"] = missing(info["versions"])
+    info["cpu_engine"] = cpu_engine()
     return info
+
+
+def cpu_engine() -> str:
+    """What ``dtype = auto`` and ``weights = auto`` run on this CPU for a bf16 checkpoint, and why."""
+    from agentserve.executor.linear import cpu_has_fast_bf16, fp16_packing_available
+
+    if not fp16_packing_available():
+        return "fp32 activations, dense fp32 matrices (no FBGEMM fp16 kernel in this build/CPU)"
+    if cpu_has_fast_bf16():
+        return ("fp32 activations, hybrid matrices: bf16 products for prefill chunks (native bf16), "
+                "packed fp16 for decode, compiled fp32 decode-attention kernel")
+    return "fp32 activations, packed fp16 matrices (no native bf16), compiled fp32 decode-attention kernel"
 
 
 def render(info: dict[str, Any]) -> str:
@@ -106,6 +119,7 @@ def render(info: dict[str, Any]) -> str:
     for r in info["ladder"]:
         shared = "" if r["partitioned"] else "   (shared, not partitioned)"
         lines.append(f"            {r['rung']:>4}  {r['decode']:>12}  {r['prefill']:>13}{shared}")
+    lines.append(f"cpu engine  {info['cpu_engine']}")
     shown = {k: v for k, v in info["versions"].items() if not k.endswith("_detail")}
     lines += [f"{name:<14}{value}" for name, value in shown.items()]
     gaps = info.get("missing", [])

@@ -157,7 +157,8 @@ def _up(opts: dict[str, Any]) -> int:
         gc.freeze()  # start-up objects never need scanning again: fewer long GC pauses in the loop
         click.echo(
             f"AgentServe ready on {ingress.endpoint} · model {model_dir} · policy {policy} · "
-            f"{ready.backend} ({len(ready.ladder)} rungs) · KV {ready.num_blocks * ready.block_size} tokens · "
+            f"{ready.backend} ({len(ready.ladder)} rungs) · {ready.device} · "
+            f"KV {ready.num_blocks * ready.block_size} tokens · "
             f"loaded in {time.monotonic() - t0:.1f} s · run {run}"
             + (f" · HTTP {gateway.url}" if gateway is not None else "")
         )

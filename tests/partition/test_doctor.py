@@ -84,3 +84,16 @@ def test_doctor_flags_bindings_newer_than_the_driver() -> None:
     assert "<13" in found[0]["fix"]
     assert missing({"python": "3.12", "torch": "2.11.0+cu130", "torch_cuda": "13.0", "cuda_driver": "13.0",
                     "cuda_bindings": "13.0.1"}) == []
+
+
+def test_doctor_names_the_cpu_engine_auto_runs_on_this_cpu_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both CPU classes, whichever this machine is: native bf16 → hybrid matrices, else packed fp16."""
+    from agentserve.cli import doctor as doctor_module
+    from agentserve.executor import linear
+
+    for native, words in ((True, "hybrid matrices"), (False, "packed fp16 matrices")):
+        monkeypatch.setattr(linear, "cpu_has_fast_bf16", lambda native=native: native)
+        monkeypatch.setattr(linear, "fp16_packing_available", lambda: True)
+        assert words in doctor_module.cpu_engine()
+    result = CliRunner().invoke(doctor, ["--partition", "cpu-cores"])
+    assert "cpu engine  fp32 activations" in result.output
