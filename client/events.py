@@ -20,11 +20,17 @@ from agentserve.protocol.client_messages import (
 
 @dataclass(frozen=True, slots=True)
 class TokenIds:
-    """New token ids; ``t_server``: the server's monotonic clock, ``t_wall``: its wall clock."""
+    """New token ids; ``t_server``: the server's monotonic clock, ``t_wall``: its wall clock.
+
+    With ``logprobs=True`` on the turn, ``logprobs[i]`` is ``token_ids[i]``'s log-probability and, with
+    ``top_logprobs=k``, ``top_logprobs[i]`` the ``k`` most likely ``(token id, logprob)`` at its position,
+    most likely first; both are empty otherwise."""
 
     token_ids: list[int]
     t_server: float
     t_wall: float
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +61,8 @@ TurnEvent = TokenIds | TextDelta | ToolCall | Done
 def translate(event: Any) -> list[TurnEvent]:
     """SDK events for one wire event of a turn; raises the typed error for an ``Error`` event."""
     if isinstance(event, TokenEvent):
-        out: list[TurnEvent] = [TokenIds(event.token_ids, event.t_mono, event.t_wall)]
+        tops = [list(zip(t.token_ids, t.logprobs, strict=False)) for t in event.top_logprobs]
+        out: list[TurnEvent] = [TokenIds(event.token_ids, event.t_mono, event.t_wall, event.logprobs, tops)]
         if event.text:
             out.append(TextDelta(event.text))
         return out
@@ -76,10 +83,14 @@ class TurnResult:
     token_ids: list[int] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
     done: Done | None = None
+    logprobs: list[float] = field(default_factory=list)  # per token, when the turn asked for them
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     def add(self, event: TurnEvent) -> None:
         if isinstance(event, TokenIds):
             self.token_ids.extend(event.token_ids)
+            self.logprobs.extend(event.logprobs)
+            self.top_logprobs.extend(event.top_logprobs)
         elif isinstance(event, TextDelta):
             self.text += event.text
         elif isinstance(event, ToolCall):

@@ -31,6 +31,8 @@ class TurnOptions(TypedDict, total=False):
     stop: list[str]
     ignore_eos: bool
     constraint: Constraint | None  # grammar-constrained output (JSON schema, forced tool calls)
+    logprobs: bool  # each TokenIds event carries its tokens' logprobs
+    top_logprobs: int  # ... and up to 20 most likely alternatives per token (needs logprobs)
 
 
 def to_message(m: MessageLike) -> Message:

@@ -5,7 +5,7 @@ min-p (in that order), then drawn with the exponential-race trick: ``argmax(p / 
 ``q ~ Exp(1)`` is a draw from ``p``.  A seeded request draws its ``q`` from its own generator, one
 full-vocabulary row per step, so its tokens depend only on its seed and its own logits — never on
 which other requests share the batch.  The logprob is the log-softmax of the unmodified logits at
-the chosen token.
+the chosen token; :meth:`Sampler.top_logprobs` reads the most likely tokens from the same logits.
 """
 
 from __future__ import annotations
@@ -69,6 +69,22 @@ class Sampler:
         # one device-to-host copy for both (fp64 holds every token id and fp32 logprob exactly)
         host = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).tolist()
         return [int(t) for t in host[0]], host[1]
+
+    def top_logprobs(self, logits: torch.Tensor, counts: list[int]) -> list[tuple[list[int], list[float]]]:
+        """Row ``i``'s ``counts[i]`` most likely tokens and their logprobs, most likely first.
+
+        Only rows asking for some are computed; one device-to-host copy for all of them."""
+        out: list[tuple[list[int], list[float]]] = [([], []) for _ in counts]
+        rows = [i for i, k in enumerate(counts) if k > 0]
+        if not rows:
+            return out
+        k = min(max(counts[i] for i in rows), logits.shape[1])
+        values, ids = logits[rows].float().log_softmax(dim=1).topk(k, dim=1, sorted=True)
+        host = torch.stack((ids.to(torch.float64), values.to(torch.float64))).tolist()
+        for j, i in enumerate(rows):
+            n = counts[i]
+            out[i] = ([int(t) for t in host[0][j][:n]], host[1][j][:n])
+        return out
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], gens: list) -> torch.Tensor:
         x = logits / _col([p.temperature for p in params], logits, torch.float32)

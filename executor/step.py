@@ -60,7 +60,8 @@ class StepExecutor:
         if any(st.matcher is not None for st in states):
             mask_logits(picked, [st.matcher for st in states])
         tokens, logprobs = self.sampler.sample(picked, [st.sampling for st in states], [st.generator for st in states])
-        for i, st, token, logprob in zip(rows, states, tokens, logprobs, strict=True):
+        tops = self.sampler.top_logprobs(picked, [st.sampling.top_logprobs for st in states])
+        for i, st, token, logprob, (top_ids, top_lps) in zip(rows, states, tokens, logprobs, tops, strict=True):
             sp = work[i][0]
             st.last_token = token
             st.num_generated += 1
@@ -70,5 +71,5 @@ class StepExecutor:
             )
             if st.matcher is not None and advance(st.matcher, token) and st.finish == Finish.NONE:
                 st.finish = Finish.STOP  # the grammar is complete: nothing more may follow
-            results[i] = SeqResult(sp.seq_id, token, logprob, st.finish)
+            results[i] = SeqResult(sp.seq_id, token, logprob, st.finish, top_ids, top_lps)
         return results

@@ -82,8 +82,8 @@ async def whole(runs: list[ChoiceRun], head: dict[str, Any]) -> dict[str, Any]:
         for run in runs:
             run.abandon()
         raise
-    choices = [{"index": r.index, "message": r.message(), "logprobs": None, "finish_reason": r.finish_reason}
-               for r in runs]
+    choices = [{"index": r.index, "message": r.message(), "logprobs": r.logprobs_object(stream=False),
+                "finish_reason": r.finish_reason} for r in runs]
     usage = usage_object([r.done.usage for r in runs if r.done is not None])
     return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
 
@@ -135,8 +135,8 @@ async def stream(runs: list[ChoiceRun], plan: ChatPlan, head: dict[str, Any]) ->
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if plan.include_usage else {}
 
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse.event({**head, "choices": [choice], **extra})
 
     metrics = runs[0].backend.metrics
@@ -146,7 +146,9 @@ async def stream(runs: list[ChoiceRun], plan: ChatPlan, head: dict[str, Any]) ->
         for run in runs:
             yield chunk(run.index, {"role": "assistant", "content": ""})
         async for run, delta in merged(runs):
-            yield chunk(run.index, {}, run.finish_reason) if delta is None else chunk(run.index, delta_object(delta))
+            body = {} if delta is None else delta_object(delta)
+            finish = run.finish_reason if delta is None else None
+            yield chunk(run.index, body, finish, run.logprobs_object(stream=True))
         if plan.include_usage:
             usage = usage_object([r.done.usage for r in runs if r.done is not None])
             yield sse.event({**head, "choices": [], "usage": usage})

@@ -14,6 +14,7 @@ from typing import Any
 from agentserve.gateway.backend import Backend, GatewayOptions
 from agentserve.gateway.conversations import chain
 from agentserve.gateway.errors import bad_request
+from agentserve.gateway.logprobs import chat_options
 from agentserve.gateway.messages import Canonical, Translated, translate
 from agentserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
 from agentserve.orchestrator.text.tool_formats import ToolCallFormat
@@ -38,6 +39,10 @@ class ChatPlan:
     def messages_after(self, k: int) -> list[Message]:
         """The messages after the first ``k`` (which a filed session already holds)."""
         return self.translated.messages[k - (1 if self.translated.system else 0):]
+
+    @property
+    def logprobs(self) -> bool:
+        return bool(self.options.get("logprobs"))
 
     def choice_options(self, index: int) -> dict[str, Any]:
         """Choice ``index``'s options: with ``n > 1`` and a seed, each choice draws from seed + index."""
@@ -118,8 +123,6 @@ def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
     opts = backend.options
     if len(req.messages) > opts.max_messages:
         raise bad_request(f"at most {opts.max_messages} messages", param="messages")
-    if req.logprobs or req.top_logprobs:
-        raise bad_request("logprobs are not supported by this server", param="logprobs")
     translated = translate(req.messages)
     tools = _tools(req)
     names = [t["function"]["name"] for t in tools]
@@ -129,6 +132,7 @@ def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     options = sampling_options(req, max_tokens, opts, welcome.max_model_len)
     options["constraint"] = constraint(req)
+    options |= chat_options(req.logprobs, req.top_logprobs)
     scan = bool(tools) and req.tool_choice != "none"
     seed = json.dumps([backend.model_name, tools], sort_keys=True).encode()
     return ChatPlan(

@@ -16,6 +16,7 @@ from agentserve.client import AgentServeError, Done, TextDelta, TokenIds, Unknow
 from agentserve.gateway.backend import Backend
 from agentserve.gateway.chat_plan import ChatPlan
 from agentserve.gateway.errors import from_client_error
+from agentserve.gateway.logprobs import LogprobLog
 from agentserve.gateway.messages import Canonical, canonical_args
 from agentserve.gateway.reply_stream import Delta, ReplyStreamer
 from agentserve.protocol.client_messages import FinishReason
@@ -27,6 +28,7 @@ class ChoiceRun:
         self.plan = plan
         self.index = index
         self.streamer = ReplyStreamer(plan.tool_format)
+        self.logprobs = LogprobLog(backend.require()[2]) if plan.logprobs else None
         self.session: Any = None
         self.resumed = False
         self.done: Done | None = None
@@ -106,6 +108,8 @@ class ChoiceRun:
             if self._t_server is not None and event.token_ids:
                 self.gaps.append(event.t_server - self._t_server)
             self._t_server = event.t_server if event.token_ids else self._t_server
+            if self.logprobs is not None:
+                self.logprobs.add(event)
         elif isinstance(event, TextDelta):
             return self.streamer.feed(event.text)
         elif isinstance(event, Done):
@@ -140,6 +144,12 @@ class ChoiceRun:
             self.backend.close_later(session)
             if self.backend.metrics is not None:
                 self.backend.metrics.success.labels(finished_reason="abort").inc()
+
+    def logprobs_object(self, stream: bool) -> dict[str, Any] | None:
+        """The choice's ``logprobs``: in a stream, of the tokens not sent yet; else of all its tokens."""
+        if self.logprobs is None:
+            return None
+        return self.logprobs.chat(self.logprobs.take()[1] if stream else self.logprobs.tokens)
 
     def message(self) -> dict[str, Any]:
         """The non-streamed ``message`` of this choice."""

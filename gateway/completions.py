@@ -1,7 +1,8 @@
 """``POST /v1/completions``: a prompt as a string or as token ids, run as a raw-token turn (no chat
 template).  A prompt that extends a finished completion's prompt and output continues its session
 (benchmarks and stateless agents resend the whole history), so only the new tokens are prefilled.
-``return_token_ids`` (vLLM's extension) adds each chunk's token ids.
+``return_token_ids`` (vLLM's extension) adds each chunk's token ids.  ``logprobs: k`` (0–20) adds the
+legacy logprobs object; its ``text_offset`` counts from the completion's start.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from agentserve.gateway.body import read_body
 from agentserve.gateway.chat import unless_disconnected
 from agentserve.gateway.chat_plan import sampling_options
 from agentserve.gateway.errors import APIError, bad_request, from_client_error
+from agentserve.gateway.logprobs import LogprobLog, completion_options
 from agentserve.gateway.schemas import CompletionRequest, decode_body
 from agentserve.gateway.usage import usage_object
 from agentserve.protocol.client_messages import FinishReason
@@ -58,6 +60,7 @@ class CompletionRun:
         self.done: Done | None = None
         self.output: list[int] = []
         self.text = ""
+        self.logprobs = LogprobLog(backend.require()[2]) if options.get("logprobs") else None
         self._events: Any = None
         self._first: Any = None
 
@@ -86,6 +89,8 @@ class CompletionRun:
             while True:
                 if isinstance(event, TokenIds):
                     self.output += event.token_ids
+                    if self.logprobs is not None:
+                        self.logprobs.add(event)
                 elif isinstance(event, TextDelta):
                     self.text += event.text
                 elif isinstance(event, Done):
@@ -118,9 +123,10 @@ async def completions(request: Request) -> Response:
     req = decode_body(await read_body(request, backend.options.max_body_bytes), ExtraFields)
     _, welcome, _ = backend.require()
     backend.check_model(req.model)
-    if req.n != 1 or req.echo or req.logprobs:
-        raise bad_request("this server supports n=1, no echo and no logprobs on /v1/completions")
+    if req.n != 1 or req.echo:
+        raise bad_request("this server supports n=1 and no echo on /v1/completions")
     options = sampling_options(req, req.max_tokens or 16, backend.options, welcome.max_model_len)
+    options |= completion_options(req.logprobs)
     run = CompletionRun(backend, prompt_ids(req, backend), options)
     await run.start()
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -135,7 +141,8 @@ async def completions(request: Request) -> Response:
 async def whole(run: CompletionRun, head: dict[str, Any], with_ids: bool) -> dict[str, Any]:
     async for _ in run.events():
         pass
-    choice = {"index": 0, "text": run.text, "logprobs": None, "finish_reason": run.finish_reason}
+    logprobs = run.logprobs.legacy(0, run.logprobs.tokens) if run.logprobs is not None else None
+    choice = {"index": 0, "text": run.text, "logprobs": logprobs, "finish_reason": run.finish_reason}
     if with_ids:
         choice["token_ids"] = run.output
     return {**head, "choices": [choice], "usage": usage_object([run.done.usage])}
@@ -144,7 +151,9 @@ async def whole(run: CompletionRun, head: dict[str, Any], with_ids: bool) -> dic
 async def stream(run: CompletionRun, head: dict[str, Any], with_ids: bool, include_usage: bool
                  ) -> AsyncIterator[bytes]:
     def chunk(text: str, ids: list[int] | None, finish: str | None = None) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        with_logprobs = run.logprobs is not None and (text or finish)
+        logprobs = run.logprobs.legacy(*run.logprobs.take()) if with_logprobs else None
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if with_ids:
             choice["token_ids"] = ids or []
         return sse.event({**head, "choices": [choice]})

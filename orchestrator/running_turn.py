@@ -22,6 +22,7 @@ from agentserve.protocol.client_messages import (
     Timings,
     TokenEvent,
     ToolCallEvent,
+    TopLogprobs,
     TurnDone,
     Usage,
 )
@@ -47,13 +48,17 @@ class RunningTurn:
     last_token_t: float = 0.0
     stopped_by_string: bool = False
     text: str = ""  # everything sent to the client so far
+    logprobs: bool = False  # token events carry logprobs (and the alternatives the scheduler passes on)
 
     def __post_init__(self) -> None:
         self._tool_calls: bool | None = None
         self._detok = IncrementalDetokenizer(self.tokenizer.decode, skip_special_tokens=True)
         self._stops = StopStringMatcher(self.stops) if self.stops else None
 
-    def on_token(self, token_id: int, t: float) -> TokenEvent | None:
+    def on_token(
+        self, token_id: int, t: float, logprob: float = 0.0, top_ids: list[int] | None = None,
+        top_logprobs: list[float] | None = None,
+    ) -> TokenEvent | None:
         """The client event for one new token (None once a stop string has ended the text)."""
         if self.stopped_by_string:
             return None
@@ -67,7 +72,12 @@ class RunningTurn:
             text = match.text
             self.stopped_by_string = match.stopped
         self.text += text
-        return TokenEvent(self.req, self.session, [token_id], text, t, time.time())
+        event = TokenEvent(self.req, self.session, [token_id], text, t, time.time())
+        if self.logprobs:
+            event.logprobs = [logprob]
+            if top_ids:
+                event.top_logprobs = [TopLogprobs(list(top_ids), list(top_logprobs or ()))]
+        return event
 
     def finish(self, reason: Finish, t: float, cached_tokens: int) -> list[TokenEvent | ToolCallEvent | TurnDone]:
         """The closing events: held-back text, tool calls, then exactly one TurnDone."""

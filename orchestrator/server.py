@@ -231,7 +231,7 @@ class Server:
 
     def _emit_one(self, rec: SessionRecord, turn: RunningTurn, ev: SeqEvent) -> None:
         if ev.token_id >= 0:
-            out = turn.on_token(ev.token_id, ev.t)
+            out = turn.on_token(ev.token_id, ev.t, ev.logprob, ev.top_ids, ev.top_logprobs)
             if out is not None:
                 self.ingress.send(rec.client, out)
             if turn.stopped_by_string and not ev.finished:
@@ -431,6 +431,7 @@ class Server:
             arrival,
             prompt,
             messages,
+            logprobs=msg.logprobs,
         )
         rec.conversation.raw = bool(msg.token_ids)
         rec.turn, rec.turns = turn, rec.turns + 1

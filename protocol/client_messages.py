@@ -140,6 +140,8 @@ class Turn(WireStruct, tag="turn"):
     stop: list[str] = []
     ignore_eos: bool = False
     constraint: Constraint | None = None
+    logprobs: bool = False  # each TokenEvent carries its tokens' logprobs
+    top_logprobs: int = 0  # ... and this many most likely alternatives per token (needs ``logprobs``)
 
     def sampling_params(self, stop_token_ids: list[int] | None = None) -> SamplingParams:
         """The ring's sampling parameters for this turn (not yet validated)."""
@@ -152,6 +154,7 @@ class Turn(WireStruct, tag="turn"):
             max_tokens=self.max_tokens,
             stop_token_ids=list(stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            top_logprobs=self.top_logprobs,
         )
 
 
@@ -191,10 +194,19 @@ class SessionOpened(WireStruct, tag="opened"):
     prompt_tokens: int = 0  # system prompt + tool schemas, templated
 
 
+class TopLogprobs(WireStruct, frozen=True):
+    """The most likely tokens at one position, most likely first, with their logprobs."""
+
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+
+
 class TokenEvent(WireStruct, tag="tok"):
     """New tokens of a turn.  ``text`` is the detokenized delta (may be empty mid-character).
 
-    ``t_mono`` is the server's ``time.monotonic()``, ``t_wall`` its ``time.time()``.
+    ``t_mono`` is the server's ``time.monotonic()``, ``t_wall`` its ``time.time()``.  When the turn asked
+    for ``logprobs``, ``logprobs[i]`` belongs to ``token_ids[i]`` and so does ``top_logprobs[i]`` when it
+    asked for alternatives too; both are empty otherwise.
     """
 
     req: int
@@ -203,6 +215,8 @@ class TokenEvent(WireStruct, tag="tok"):
     text: str = ""
     t_mono: float = 0.0
     t_wall: float = 0.0
+    logprobs: list[float] = []
+    top_logprobs: list[TopLogprobs] = []
 
 
 class ToolCallEvent(WireStruct, tag="tool_call"):
@@ -389,6 +403,8 @@ def _validate_turn(turn: Turn) -> None:
         raise bad(ErrorCode.INVALID_REQUEST, "token ids must be >= 0")
     if any(not s for s in turn.stop):
         raise bad(ErrorCode.INVALID_SAMPLING, "stop strings must not be empty")
+    if turn.top_logprobs and not turn.logprobs:
+        raise bad(ErrorCode.INVALID_SAMPLING, "top_logprobs needs logprobs")
     try:
         turn.sampling_params().validate()
     except ValueError as e:

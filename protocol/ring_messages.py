@@ -88,12 +88,17 @@ class Ready(WireStruct, tag="ready"):
 
 
 class SeqResult(WireStruct):
-    """``token_id`` is -1 when the step did not sample this sequence (a non-final prefill chunk)."""
+    """``token_id`` is -1 when the step did not sample this sequence (a non-final prefill chunk).
+
+    ``top_ids`` / ``top_logprobs``: the sequence's ``SamplingParams.top_logprobs`` most likely tokens,
+    most likely first (empty when it asked for none)."""
 
     seq_id: int
     token_id: int = -1
     logprob: float = 0.0
     finish: Finish = Finish.NONE
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class Result(WireStruct, tag="result"):

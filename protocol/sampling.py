@@ -6,6 +6,8 @@ import enum
 
 from agentserve.protocol.base import WireStruct
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's bound)
+
 
 class Finish(enum.IntEnum):
     """Why a sequence stopped producing tokens (``NONE`` while it runs)."""
@@ -30,6 +32,7 @@ class SamplingParams(WireStruct, frozen=True):
     ignore_eos: bool = False
     grammar: str = ""  # llguidance grammar constraining the output ("" = none); masks applied where sampled
     grammar_prefix: list[int] = []  # output tokens the grammar has already seen (a recomputed sequence)
+    top_logprobs: int = 0  # the most likely tokens (with logprobs) returned beside each sampled one
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
@@ -43,6 +46,8 @@ class SamplingParams(WireStruct, frozen=True):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 

@@ -106,6 +106,7 @@ class Server(_S):
     device: str = ""
     started_wall: float = 0.0
     uptime_s: float = 0.0
+    http: str = ""  # the HTTP gateway's URL (`up --http`; empty: none)
 
 
 class Snapshot(_S):

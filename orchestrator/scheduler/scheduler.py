@@ -70,7 +70,7 @@ from agentserve.orchestrator.scheduler.rungs import Ladder
 from agentserve.orchestrator.scheduler.session_kv import SessionKV, tool_ttl
 from agentserve.orchestrator.scheduler.window import Window
 from agentserve.protocol.lanes import Lane
-from agentserve.protocol.ring_messages import ExecError, Plan, Ready, Release, Result
+from agentserve.protocol.ring_messages import ExecError, Plan, Ready, Release, Result, SeqResult
 from agentserve.protocol.sampling import Finish, SamplingParams
 from agentserve.protocol.stopping import finish_reason
 
@@ -286,7 +286,7 @@ class Scheduler:
                     _failed(req, f"step {result.step} returned no token for it")
                     events.append(self._finish(req, Finish.ERROR, now))
                     continue
-                events.append(self._append(req, sr.token_id, sr.finish, sr.logprob, now))
+                events.append(self._append(req, sr, now))
             if req.abort_pending and req.state is not ReqState.FINISHED:
                 events.append(self._finish(req, _stop_reason(req), now))
         return events
@@ -415,7 +415,8 @@ class Scheduler:
             return None
         return queue.popleft()
 
-    def _append(self, req: Request, token: int, finish: Finish, logprob: float, now: float) -> SeqEvent:
+    def _append(self, req: Request, sr: SeqResult, now: float) -> SeqEvent:
+        token, finish = sr.token_id, sr.finish
         req.tokens.append(token)
         req.num_output += 1
         first = req.first_token_t is None
@@ -431,13 +432,13 @@ class Scheduler:
         if finish is Finish.NONE:
             finish = finish_reason(token, req.num_output, req.sampling, self.eos, len(req.tokens), self.max_len)
         if finish is not Finish.NONE:
-            return self._finish(req, finish, now, token, first, logprob)
-        sid = req.session.session_id
-        return SeqEvent(req.seq_id, sid, token, finish, first, req.num_output, now, logprob)
+            return self._finish(req, finish, now, first, sr)
+        return SeqEvent.of(req.seq_id, req.session.session_id, sr, finish, first, req.num_output, now)
 
     def _finish(
-        self, req: Request, reason: Finish, now: float, token: int = -1, first: bool = False, lp: float = 0.0
+        self, req: Request, reason: Finish, now: float, first: bool = False, sr: SeqResult | None = None
     ) -> SeqEvent:
+        """``req`` ends for ``reason``; ``sr``: the result whose token ended it (None: no new token)."""
         self.q.remove(req)
         had_kv = req.state is ReqState.DECODE
         req.state, req.finish = ReqState.FINISHED, reason
@@ -447,7 +448,7 @@ class Scheduler:
         session.active = None
         session.tokens, session.hashes, session.keys = req.tokens, req.hashes, req.keys
         req.had_kv = had_kv
-        event = SeqEvent(req.seq_id, session.session_id, token, reason, first, req.num_output, now, lp)
+        event = SeqEvent.of(req.seq_id, session.session_id, sr, reason, first, req.num_output, now)
         if req.inflight:  # plans sent ahead may still write its blocks: keep them until they are back
             self.letting_go[req.seq_id] = req
             self.ended[req.seq_id] = req

@@ -85,6 +85,16 @@ BAD = {
         ErrorCode.INVALID_SAMPLING,
         14,
     ),
+    "top_logprobs without logprobs": (
+        codec.encode(Turn(req=15, session=1, token_ids=[1], top_logprobs=2)),
+        ErrorCode.INVALID_SAMPLING,
+        15,
+    ),
+    "too many top_logprobs": (
+        codec.encode(Turn(req=16, session=1, token_ids=[1], logprobs=True, top_logprobs=21)),
+        ErrorCode.INVALID_SAMPLING,
+        16,
+    ),
 }
 
 

@@ -37,11 +37,11 @@ def test_an_exception_while_streaming_a_turn_ends_only_that_turn(served, monkeyp
     real = RunningTurn.on_token
     calls = {"n": 0}
 
-    def flaky(self, token_id, t):
+    def flaky(self, token_id, t, *logprobs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("detokenizer bug")
-        return real(self, token_id, t)
+        return real(self, token_id, t, *logprobs)
 
     monkeypatch.setattr(RunningTurn, "on_token", flaky)
     with AgentClient(endpoint) as client, client.session(system="sys") as s, client.session(system="x") as other:

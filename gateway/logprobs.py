@@ -1,0 +1,95 @@
+"""Token logprobs as OpenAI shapes them: chat's ``logprobs.content`` and the legacy completions object.
+
+The orchestrator sends each token's logprob (and, when asked, its most likely alternatives) with the
+token; a :class:`LogprobLog` keeps them in order and renders the not-yet-sent part for a stream chunk or
+all of it for a whole answer.  A token's text is the checkpoint tokenizer's decoding of that one id
+(special tokens kept), its ``bytes`` that text's UTF-8 — a token that is part of one character decodes to
+U+FFFD, as in vLLM.  A logprob of ``-inf`` (a token the grammar ruled out) is written as -9999.0, OpenAI's
+stand-in: JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentserve.client import TokenIds
+from agentserve.gateway.errors import bad_request
+from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.protocol.sampling import MAX_TOP_LOGPROBS
+
+FLOOR = -9999.0
+
+Alternatives = list[tuple[int, float]]
+
+
+def finite(logprob: float) -> float:
+    """``logprob``, or :data:`FLOOR` for -inf, NaN and anything below it."""
+    return logprob if logprob > FLOOR else FLOOR
+
+
+def chat_options(logprobs: bool | int | None, top_logprobs: int | None) -> dict[str, Any]:
+    """The turn options for chat's ``logprobs`` / ``top_logprobs`` (400 for values OpenAI refuses)."""
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request("logprobs must be a boolean on /v1/chat/completions", param="logprobs")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
+    if top_logprobs and not logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    return {"logprobs": True, "top_logprobs": top_logprobs or 0} if logprobs else {}
+
+
+def completion_options(logprobs: bool | int | None) -> dict[str, Any]:
+    """The turn options for the legacy ``logprobs`` (an int: alternatives per token, 0 for none)."""
+    if logprobs is None or logprobs is False:
+        return {}
+    if isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}", param="logprobs")
+    return {"logprobs": True, "top_logprobs": logprobs}
+
+
+@dataclass
+class LogprobLog:
+    """One choice's token logprobs in order, and how many of them a stream has sent."""
+
+    tokenizer: Tokenizer
+    tokens: list[tuple[int, float, Alternatives]] = field(default_factory=list)
+    sent: int = 0
+    _texts: dict[int, str] = field(default_factory=dict)
+    _offsets: list[int] = field(default_factory=list)  # where each token's text starts in the output
+    _chars: int = 0
+
+    def add(self, event: TokenIds) -> None:
+        for i, (token, logprob) in enumerate(zip(event.token_ids, event.logprobs, strict=False)):
+            tops = event.top_logprobs[i] if i < len(event.top_logprobs) else []
+            self.tokens.append((token, logprob, tops))
+            self._offsets.append(self._chars)
+            self._chars += len(self.text(token))
+
+    def take(self) -> tuple[int, list[tuple[int, float, Alternatives]]]:
+        """The index of the first token not sent yet, and those tokens (now counted as sent)."""
+        start, new, self.sent = self.sent, self.tokens[self.sent:], len(self.tokens)
+        return start, new
+
+    def text(self, token: int) -> str:
+        if token not in self._texts:
+            self._texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return self._texts[token]
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.text(token)
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    def chat(self, tokens: list[tuple[int, float, Alternatives]]) -> dict[str, Any]:
+        """Chat's ``logprobs`` object for ``tokens``."""
+        content = [self._entry(t, lp) | {"top_logprobs": [self._entry(a, alp) for a, alp in tops]}
+                   for t, lp, tops in tokens]
+        return {"content": content, "refusal": None}
+
+    def legacy(self, start: int, tokens: list[tuple[int, float, Alternatives]]) -> dict[str, Any]:
+        """The completions ``logprobs`` object for ``tokens``, the output's tokens from index ``start``."""
+        texts = [self.text(t) for t, _, _ in tokens]
+        offsets = self._offsets[start:start + len(tokens)]
+        tops = [{self.text(a): finite(alp) for a, alp in alts} for _, _, alts in tokens]
+        return {"tokens": texts, "token_logprobs": [finite(lp) for _, lp, _ in tokens],
+                "top_logprobs": tops, "text_offset": offsets}
