@@ -2,7 +2,8 @@
 
 Sources: ``--run NAME`` attaches the shared-memory stats board of that run (read-only, costs the
 server nothing); ``--endpoint`` asks the server over its client socket (``GetStats``); with
-neither, the one live run on this machine is used.  ``--once --json`` prints one snapshot.
+neither, the one live run on this machine is used.  ``--once --json`` prints one snapshot.  A server
+started with ``--http`` gets a line for its gateway (requests/s, open streams, from its ``/metrics``).
 Exit codes: 0 ok or Ctrl-C, 2 no server / the server went away.
 """
 
@@ -17,6 +18,7 @@ import click
 from rich.console import Console
 from rich.live import Live
 
+from agentserve.cli.gateway_watch import GatewayStats, GatewayWatch
 from agentserve.cli.top_view import render
 from agentserve.client import AgentClient, AgentServeError
 from agentserve.protocol.stats import (
@@ -97,22 +99,36 @@ def open_source(run: str | None, endpoint: str | None) -> Source:
     return BoardSource(runs[0])
 
 
-def _print_once(source: Source, as_json: bool, console: Console) -> None:
+def _read(source: Source, watch: GatewayWatch) -> tuple[Snapshot, GatewayStats | None]:
     snap = source.read()
+    return snap, watch.read(snap.server.http) if snap.server.http else None
+
+
+def _json(snap: Snapshot, gateway: GatewayStats | None) -> dict:
+    obj = to_json_obj(snap)
+    if gateway is not None:
+        obj["gateway"] = gateway.as_json()
+    return obj
+
+
+def _print_once(source: Source, as_json: bool, console: Console) -> None:
+    snap, gateway = _read(source, GatewayWatch())
     if as_json:
-        click.echo(json.dumps(to_json_obj(snap), indent=2))
+        click.echo(json.dumps(_json(snap, gateway), indent=2))
     else:
-        console.print(render(snap, console.width))
+        console.print(render(snap, console.width, gateway=gateway))
 
 
 def _live(source: Source, interval: float, as_json: bool, console: Console) -> None:
+    watch = GatewayWatch()
     if as_json:  # one JSON object per line, for scripts
         while True:
-            click.echo(json.dumps(to_json_obj(source.read())))
+            click.echo(json.dumps(_json(*_read(source, watch))))
             time.sleep(interval)
     with Live(console=console, auto_refresh=False, screen=False, transient=False) as live:
         while True:
-            live.update(render(source.read(), console.width, console.height), refresh=True)
+            snap, gateway = _read(source, watch)
+            live.update(render(snap, console.width, console.height, gateway), refresh=True)
             time.sleep(interval)
 
 

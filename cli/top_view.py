@@ -10,6 +10,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from agentserve.cli.gateway_watch import GatewayStats
 from agentserve.protocol.stats import Latency, SessionState, Snapshot
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -58,6 +59,20 @@ def header(snap: Snapshot) -> Text:
     t.append(f"  {snap.control.policy or '?'}", style="magenta")
     t.append(f"  pid {srv.pid}  up {_uptime(srv.uptime_s)}")
     t.append(f"  {srv.endpoint}", style="dim")
+    return t
+
+
+def gateway_line(gw: GatewayStats) -> Text:
+    t = Text(no_wrap=True, overflow="ellipsis")
+    t.append("HTTP  ", style="bold")
+    t.append(gw.url, style="dim")
+    if not gw.reachable:
+        t.append("  unreachable (restarting?)", style="red")
+        return t
+    rate = "…" if gw.requests_per_s is None else f"{gw.requests_per_s:.1f}"
+    t.append(f"  {rate} req/s  {gw.open_streams:.0f} open streams  {gw.requests_total:.0f} requests")
+    if gw.errors_total:
+        t.append(f"  {gw.errors_total:.0f} errors", style="yellow")
     return t
 
 
@@ -151,8 +166,10 @@ def sessions_table(snap: Snapshot, max_rows: int | None, wide: bool) -> Table:
     return t
 
 
-def render(snap: Snapshot, width: int, height: int | None = None) -> RenderableType:
-    """The whole dashboard for a terminal ``width`` columns wide (and ``height`` rows, if known)."""
+def render(snap: Snapshot, width: int, height: int | None = None, gateway: GatewayStats | None = None
+           ) -> RenderableType:
+    """The whole dashboard for a terminal ``width`` columns wide (and ``height`` rows, if known); with
+    ``gateway``, a line for the HTTP gateway under the header."""
     wide = width >= WIDE
     if wide:
         spark = max(10, min(80, width // 2 - 45))
@@ -165,5 +182,6 @@ def render(snap: Snapshot, width: int, height: int | None = None) -> RenderableT
         spark = max(8, width - 46)
         stats = Group(partition_block(snap), latency_block(snap, spark), load_block(snap))
         stat_lines = 9
-    budget = None if height is None else max(1, height - stat_lines - 1 - 4)  # header + table chrome
-    return Group(header(snap), stats, sessions_table(snap, budget, wide))
+    lines = [header(snap)] + ([gateway_line(gateway)] if gateway is not None else [])
+    budget = None if height is None else max(1, height - stat_lines - len(lines) - 4)  # table chrome
+    return Group(*lines, stats, sessions_table(snap, budget, wide))

@@ -153,6 +153,7 @@ def _up(opts: dict[str, Any]) -> int:
         if http is not None:
             gateway = GatewayProcess(ingress.endpoint, *http, _gateway_args(opts, str(engine["model"])),
                                      opts["log_level"], api_key=opts["api_key"] or "").start()
+            publisher.info.http = gateway.url
         gc.collect()
         gc.freeze()  # start-up objects never need scanning again: fewer long GC pauses in the loop
         click.echo(

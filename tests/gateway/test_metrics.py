@@ -3,6 +3,9 @@ prometheus_client's own parser, and values that follow the requests served."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -99,3 +102,13 @@ def test_prefix_cache_tokens_by_class(http_server, openai_client) -> None:
     for kind in ("queries", "hits"):
         by_class = grew(f"prefix_cache_{kind}_by_class")
         assert by_class == grew(f"prefix_cache_{kind}")
+
+
+def test_top_shows_the_gateway(http_server, openai_client) -> None:
+    openai_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    out = subprocess.run(["agentserve", "top", "--run", http_server.run, "--once", "--json"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    snap = json.loads(out)
+    assert snap["server"]["http"] == http_server.url
+    gateway = snap["gateway"]
+    assert gateway["reachable"] and gateway["url"] == http_server.url and gateway["requests_total"] >= 1
