@@ -44,7 +44,11 @@ STICKY_TEXT = (
 
 
 class DeviceFault(RuntimeError):
-    """A sticky CUDA error poisoned this process's context; the executor must exit."""
+    """A sticky CUDA error poisoned this process's context; the executor must exit.
+
+    ``reported``: the fatal ``ExecError`` already went out (with the step that failed)."""
+
+    reported: bool = False
 
 
 def _code(error: BaseException) -> int | None:

@@ -85,9 +85,6 @@ class GraphTable(Generic[G]):
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def keys(self) -> list[GraphKey]:
-        return sorted(self._graphs)
-
     def add(self, key: GraphKey, graph: G) -> None:
         if key.bucket not in self.buckets:
             raise ValueError(f"{key.bucket} is not a bucket ({self.buckets})")

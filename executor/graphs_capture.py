@@ -58,7 +58,6 @@ def eager_capture(fn: Callable[[], torch.Tensor], pool: Any, stream: Any) -> tup
 class _Captured:
     replay: Replay
     logits: torch.Tensor  # [bucket, vocab] fp32, rewritten by every replay
-    num_splits: int
 
 
 class DecodeGraphs:
@@ -99,7 +98,7 @@ class DecodeGraphs:
             self._vec[:, : key.bucket] = 0  # capture with padding rows: nothing read, nothing written
             self._vec[2, : key.bucket] = -1
             replay, logits = self.capture(lambda b=key.bucket, s=splits: self._forward(b, s), self.pool, stream)
-            self.table.add(key, _Captured(replay, logits, splits))
+            self.table.add(key, _Captured(replay, logits))
             if progress is not None:
                 progress(key)
         return len(self.buckets)

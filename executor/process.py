@@ -275,7 +275,7 @@ def run_executor(opts: ExecutorOptions) -> int:
         return 0
     except DeviceFault as e:  # the context is poisoned: no teardown call may touch the device again
         log.critical("executor exits after a device fault: %s", e)
-        if not getattr(e, "reported", False):
+        if not e.reported:
             _try_send(pair, ExecError(str(e), fatal=True))
         backend = None
         return 3

@@ -5,7 +5,7 @@ min-p (in that order), then drawn with the exponential-race trick: ``argmax(p / 
 ``q ~ Exp(1)`` is a draw from ``p``.  A seeded request draws its ``q`` from its own generator, one
 full-vocabulary row per step, so its tokens depend only on its seed and its own logits — never on
 which other requests share the batch.  The logprob is the log-softmax of the unmodified logits at
-the chosen token; :meth:`Sampler.top_logprobs` reads the most likely tokens from the same logits.
+the chosen token; :meth:`Sampler.sample_with_top` also reads the most likely tokens from the same log-softmax.
 """
 
 from __future__ import annotations
@@ -60,31 +60,39 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> tuple[list[int], list[float]]:
         """``logits``: ``[n, vocab]`` fp32. Returns the chosen token ids and their logprobs."""
+        tokens, logprobs, _ = self.sample_with_top(logits, params, generators)
+        return tokens, logprobs
+
+    def sample_with_top(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> tuple[list[int], list[float], list[tuple[list[int], list[float]]]]:
+        """:meth:`sample`, plus each row's ``params[i].top_logprobs`` most likely tokens and their logprobs
+        (most likely first; empty for a row that asks for none), read from the same log-softmax."""
         logits = logits.float()
         tokens = logits.argmax(dim=1)
         rows = [i for i, p in enumerate(params) if p.temperature > 0.0 and p.top_k != 1]
         if rows:
             tokens[rows] = self._draw(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
-        logprobs = logits.log_softmax(dim=1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-        # one device-to-host copy for both (fp64 holds every token id and fp32 logprob exactly)
-        host = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).tolist()
-        return [int(t) for t in host[0]], host[1]
-
-    def top_logprobs(self, logits: torch.Tensor, counts: list[int]) -> list[tuple[list[int], list[float]]]:
-        """Row ``i``'s ``counts[i]`` most likely tokens and their logprobs, most likely first.
-
-        Only rows asking for some are computed; one device-to-host copy for all of them."""
-        out: list[tuple[list[int], list[float]]] = [([], []) for _ in counts]
-        rows = [i for i, k in enumerate(counts) if k > 0]
-        if not rows:
-            return out
-        k = min(max(counts[i] for i in rows), logits.shape[1])
-        values, ids = logits[rows].float().log_softmax(dim=1).topk(k, dim=1, sorted=True)
-        host = torch.stack((ids.to(torch.float64), values.to(torch.float64))).tolist()
-        for j, i in enumerate(rows):
-            n = counts[i]
-            out[i] = ([int(t) for t in host[0][j][:n]], host[1][j][:n])
-        return out
+        logp = logits.log_softmax(dim=1)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top_rows = [i for i, p in enumerate(params) if p.top_logprobs > 0]
+        k = min(max((params[i].top_logprobs for i in top_rows), default=0), logits.shape[1])
+        parts = [tokens, chosen]
+        if k:
+            values, ids = logp[top_rows].topk(k, dim=1, sorted=True)
+            parts += [ids.flatten(), values.flatten()]
+        # one device-to-host copy for everything (fp64 holds every token id and fp32 logprob exactly)
+        host = torch.cat([t.to(torch.float64) for t in parts]).tolist()
+        n = len(params)
+        tops: list[tuple[list[int], list[float]]] = [([], []) for _ in params]
+        for j, i in enumerate(top_rows):
+            lo, m = 2 * n + j * k, min(params[i].top_logprobs, k)
+            ids_j, values_j = host[lo:lo + m], host[lo + len(top_rows) * k:lo + len(top_rows) * k + m]
+            tops[i] = ([int(t) for t in ids_j], values_j)
+        return [int(t) for t in host[:n]], host[n:2 * n], tops
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], gens: list) -> torch.Tensor:
         x = logits / _col([p.temperature for p in params], logits, torch.float32)

@@ -59,8 +59,9 @@ class StepExecutor:
         picked = logits[rows]
         if any(st.matcher is not None for st in states):
             mask_logits(picked, [st.matcher for st in states])
-        tokens, logprobs = self.sampler.sample(picked, [st.sampling for st in states], [st.generator for st in states])
-        tops = self.sampler.top_logprobs(picked, [st.sampling.top_logprobs for st in states])
+        tokens, logprobs, tops = self.sampler.sample_with_top(
+            picked, [st.sampling for st in states], [st.generator for st in states]
+        )
         for i, st, token, logprob, (top_ids, top_lps) in zip(rows, states, tokens, logprobs, tops, strict=True):
             sp = work[i][0]
             st.last_token = token

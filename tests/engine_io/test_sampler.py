@@ -145,25 +145,31 @@ def test_finish_reason():
     assert finish_reason(5, 1, p, eos, seq_len=100, max_model_len=100) == Finish.LENGTH
 
 
+def tops_of(logits: torch.Tensor, counts: list[int]) -> list[tuple[list[int], list[float]]]:
+    """Greedy rows asking for ``counts[i]`` top logprobs each: what the sampler returns beside the tokens."""
+    params = [SamplingParams(top_logprobs=k) for k in counts]
+    return SAMPLER.sample_with_top(logits, params, [None] * len(counts))[2]
+
+
 @settings(max_examples=40, deadline=None)
 @given(counts=st.lists(st.integers(0, 20), min_size=1, max_size=6), vocab=st.integers(20, 60),
        seed=st.integers(0, 1000))
 def test_top_logprobs_are_the_most_likely_tokens_whatever_the_batch(counts, vocab, seed):
     logits = distinct_logits(len(counts), vocab, seed) * 0.5
-    tops = SAMPLER.top_logprobs(logits, counts)
+    tops = tops_of(logits, counts)
     ref = logits.log_softmax(1)
     for i, (k, (ids, lps)) in enumerate(zip(counts, tops, strict=True)):
         want = ref[i].argsort(descending=True)[:k].tolist()
         assert ids == want
         assert lps == pytest.approx(ref[i, want].tolist(), abs=1e-6)
-        alone = SAMPLER.top_logprobs(logits[i:i + 1].clone(), [k])[0]  # the same alone as in the batch
+        alone = tops_of(logits[i:i + 1].clone(), [k])[0]  # the same alone as in the batch
         assert alone[0] == ids and alone[1] == pytest.approx(lps, abs=1e-6)
 
 
 def test_greedy_token_heads_its_top_logprobs():
     logits = distinct_logits(3, 40, 7)
     tokens, logprobs = SAMPLER.sample(logits, [SamplingParams()] * 3, [None] * 3)
-    tops = SAMPLER.top_logprobs(logits, [5, 1, 0])
+    tops = tops_of(logits, [5, 1, 0])
     assert [t[0][:1] for t in tops[:2]] == [[tokens[0]], [tokens[1]]]
     assert tops[0][1][0] == pytest.approx(logprobs[0], abs=1e-6)
     assert tops[2] == ([], [])
