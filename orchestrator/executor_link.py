@@ -206,10 +206,10 @@ class ExecutorLink:
 
     def check_hung(self) -> str | None:
         """Kill the executor if it hangs (its ``ExecutorDown`` follows through :meth:`drain`); say why."""
-        if self._hung_reason is not None or self.proc is None or self.proc.poll() is not None:
+        if self._hung_reason is not None or self.proc is None:
             return None
-        reason = self.watch.hung(self._clock())
-        if reason is not None:
+        reason = self.watch.hung(self._clock())  # first: runs every loop pass, costs no system call
+        if reason is not None and self.proc.poll() is None:
             log.error("%s; killing it (pid %d)", reason, self.proc.pid)
             self._hung_reason = reason
             self.proc.kill()
