@@ -37,7 +37,6 @@ class GatewayProcess:
                         "--port", str(port), "--parent-pid", str(os.getpid()), "--log-level", log_level, *extra]
         self.env = {**os.environ, "AGENTSERVE_API_KEY": api_key}  # not on the command line: `ps` shows that
         self.proc: subprocess.Popen | None = None
-        self.restarts = 0
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
@@ -67,7 +66,6 @@ class GatewayProcess:
             if self._stopping.wait(pause):
                 return
             pause = min(pause * 2, MAX_PAUSE_S)
-            self.restarts += 1
             self._spawn()
 
     def stop(self, timeout: float = 5.0) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from agentserve.client import AgentServeError, AsyncAgentClient, AsyncSession
@@ -37,7 +37,6 @@ class GatewayOptions:
     conversation_capacity: int = 4096
     conversation_idle_s: float = 600.0
     metrics_compat: tuple[str, ...] = ()  # "vllm": also emit every vLLM metric under `vllm:`
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Backend:
@@ -96,10 +95,6 @@ class Backend:
                 await asyncio.wait(list(self._tasks), timeout=2.0)
             await self.client.close()
             self.client = None
-
-    @property
-    def ready(self) -> bool:
-        return self.client is not None
 
     def require(self) -> tuple[AsyncAgentClient, Welcome, Tokenizer]:
         if self.client is None or self.welcome is None or self.tokenizer is None:

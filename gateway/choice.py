@@ -32,10 +32,8 @@ class ChoiceRun:
         self.session: Any = None
         self.resumed = False
         self.done: Done | None = None
-        self.tokens = 0
         self.t_arrival = time.monotonic()
         self.t_first: float | None = None
-        self.t_last: float | None = None
         self._t_server: float | None = None
         self.gaps: list[float] = []  # seconds between consecutive tokens (the orchestrator's clock)
         self._events: AsyncIterator[Any] | None = None
@@ -103,8 +101,6 @@ class ChoiceRun:
         if isinstance(event, TokenIds):
             now = time.monotonic()
             self.t_first = self.t_first or now
-            self.t_last = now
-            self.tokens += len(event.token_ids)
             if self._t_server is not None and event.token_ids:
                 self.gaps.append(event.t_server - self._t_server)
             self._t_server = event.t_server if event.token_ids else self._t_server

@@ -49,8 +49,6 @@ class ConversationMap:
         self._clock = clock
         self._on_evict = on_evict  # closes the evicted session (frees its KV)
         self._map: OrderedDict[bytes, Filed] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
 
     def __len__(self) -> int:
         return len(self._map)
@@ -61,9 +59,7 @@ class ConversationMap:
         for k in range(len(digests) - 1, 0, -1):
             filed = self._map.pop(digests[k - 1], None)
             if filed is not None:
-                self.hits += 1
                 return filed.session, k
-        self.misses += 1
         return None
 
     def file(self, digest: bytes, session: Any) -> None:

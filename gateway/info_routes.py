@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from agentserve.client import AgentServeError
 from agentserve.gateway.backend import Backend
-from agentserve.gateway.errors import APIError, unavailable
+from agentserve.gateway.errors import unavailable
 
 STARTED = int(time.time())
 
@@ -27,8 +27,6 @@ async def health(request: Request) -> Response:
         snapshot = await backend.stats()
     except (AgentServeError, TimeoutError):
         raise unavailable("the orchestrator does not answer") from None
-    except APIError:
-        raise
     if snapshot.restarting:
         raise unavailable("the executor is restarting after a crash")
     return Response(status_code=200)

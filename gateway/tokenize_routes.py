@@ -14,14 +14,6 @@ from agentserve.orchestrator.text.chat_template import ChatTemplateError
 from agentserve.protocol.client_messages import Message
 
 
-def _as_dict(m: Message) -> dict:
-    out = {"role": m.role, "content": m.content}
-    for key in ("tool_call_id", "name", "tool_calls"):
-        if getattr(m, key):
-            out[key] = getattr(m, key)
-    return out
-
-
 async def tokenize(request: Request) -> Response:
     backend: Backend = request.app.state.backend
     req = decode_body(await read_body(request, backend.options.max_body_bytes), TokenizeRequest)
@@ -35,11 +27,9 @@ async def tokenize(request: Request) -> Response:
         t = translate(req.messages or [])
         head = [Message("system", t.system)] if t.system else []
         try:
-            text = tokenizer.apply_chat_template([_as_dict(m) for m in head + t.messages], None,
-                                                 req.add_generation_prompt)
+            ids = tokenizer.encode_chat([m.as_dict() for m in head + t.messages], None, req.add_generation_prompt)
         except ChatTemplateError as e:
             raise bad_request(f"cannot render the conversation: {e}", param="messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=False)
     return JSONResponse({"count": len(ids), "max_model_len": welcome.max_model_len, "tokens": ids})
 
 

@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 
 from agentserve.client import AgentServeError
 from agentserve.gateway.backend import Backend
-from agentserve.gateway.errors import APIError, unavailable
+from agentserve.gateway.errors import unavailable
 from agentserve.protocol.stats import SessionState, Snapshot
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -129,6 +129,4 @@ async def health_generate(request: Request) -> Response:
                 backend.close_later(session)
     except (AgentServeError, TimeoutError) as e:
         raise unavailable(f"a one-token generation failed: {e or type(e).__name__}") from None
-    except APIError:
-        raise
     return Response(status_code=200)

@@ -15,18 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentserve.orchestrator.text.tokenization import Tokenizer
-from agentserve.protocol.client_messages import ErrorCode, Message, ProtocolError, Turn
-
-
-def message_dict(m: Message) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.tool_call_id:
-        out["tool_call_id"] = m.tool_call_id
-    if m.name:
-        out["name"] = m.name
-    if m.tool_calls:
-        out["tool_calls"] = m.tool_calls
-    return out
+from agentserve.protocol.client_messages import ErrorCode, ProtocolError, Turn
 
 
 @dataclass
@@ -61,7 +50,7 @@ class Conversation:
         if raw:
             base = self.tokens or self.system_tokens()  # the first (successful) raw turn starts the conversation
             return base + list(turn.token_ids), self.messages
-        messages = self.messages + [message_dict(m) for m in turn.messages]
+        messages = self.messages + [m.as_dict() for m in turn.messages]
         text = self._pending_text = self.render(messages, add_generation_prompt=True)
         if self.exact_text is not None and text.startswith(self.exact_text):
             # Keep the exact tokens of what is cached (re-tokenizing the model's output, e.g. a

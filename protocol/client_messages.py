@@ -80,6 +80,17 @@ class Message(WireStruct):
     name: str = ""
     tool_calls: list[dict[str, Any]] = []
 
+    def as_dict(self) -> dict[str, Any]:
+        """The message as a chat template takes it (empty optional fields left out)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        return out
+
 
 class SessionOptions(WireStruct, frozen=True):
     name: str = ""  # a label shown by `agentserve top`
