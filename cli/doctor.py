@@ -98,14 +98,17 @@ def report(prefer: str | None = None, *, device: int = 0, driver: Any = None, cu
 
 def cpu_engine() -> str:
     """What ``dtype = auto`` and ``weights = auto`` run on this CPU for a bf16 checkpoint, and why."""
-    from agentserve.executor.linear import cpu_has_fast_bf16, fp16_packing_available
+    import torch
 
-    if not fp16_packing_available():
-        return "fp32 activations, dense fp32 matrices (no FBGEMM fp16 kernel in this build/CPU)"
-    if cpu_has_fast_bf16():
-        return ("fp32 activations, hybrid matrices: bf16 products for prefill chunks (native bf16), "
-                "packed fp16 for decode, compiled fp32 decode-attention kernel")
-    return "fp32 activations, packed fp16 matrices (no native bf16), compiled fp32 decode-attention kernel"
+    from agentserve.executor.linear import choose_format
+
+    fmt = choose_format("auto", torch.bfloat16, torch.zeros(1, 1))  # the engine's own choice, per matrix
+    return {
+        "dense": "fp32 activations, dense fp32 matrices (no FBGEMM fp16 kernel in this build/CPU)",
+        "hybrid": "fp32 activations, hybrid matrices: bf16 products for prefill chunks (native bf16), "
+                  "packed fp16 for decode, compiled fp32 decode-attention kernel",
+        "fp16": "fp32 activations, packed fp16 matrices (no native bf16), compiled fp32 decode-attention kernel",
+    }[fmt]
 
 
 def render(info: dict[str, Any]) -> str:

@@ -61,10 +61,7 @@ class Stopped(Exception):
 
 
 def load_settings(config_file: str | None) -> dict[str, Any]:
-    settings = configs.packaged("fleet")
-    if config_file:
-        settings = configs.merge(settings, configs.read_file(config_file))
-    return configs.merge(settings, configs.env_overrides(settings))
+    return configs.load("fleet", config_file or None)
 
 
 def free_port(host: str) -> int:
