@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -35,6 +34,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from agentserve.cli.fleet import parse_ready_line
 from agentserve.cli.fleet_members import agentserve_executable, worker_command
@@ -53,14 +54,12 @@ def counters(url: str) -> dict[str, float]:
         text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
     except OSError:
         return out
-    for line in text.splitlines():
-        m = re.match(r"agentserve:(\w+)\{([^}]*)\} (\S+)$", line)
-        if not m:
-            continue
-        cls = re.search(r'class="(\w+)"', m.group(2))
-        key = f"{m.group(1)}:{cls.group(1)}" if cls else m.group(1)
-        if key in out:
-            out[key] += float(m.group(3))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("agentserve:")
+            key = f"{name}:{sample.labels['class']}" if "class" in sample.labels else name
+            if key in out and sample.name.startswith("agentserve:"):
+                out[key] += sample.value
     return out
 
 
