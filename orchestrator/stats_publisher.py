@@ -15,7 +15,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from agentserve.orchestrator.running_turn import RunningTurn
-from agentserve.protocol.lanes import Lane
+from agentserve.protocol.lanes import Lane, backend_unit
 from agentserve.protocol.ring_messages import Ready, Result
 from agentserve.protocol.stats import (
     SNAPSHOT_VERSION,
@@ -135,7 +135,7 @@ class StatsPublisher:
             decode_units=rung.decode_units,
             prefill_units=rung.prefill_units,
             total_units=max(full.decode_units, rung.decode_units + rung.prefill_units if rung.partitioned else 0),
-            unit="cores" if ready.backend == "cpu-cores" else "SMs",
+            unit=backend_unit(ready.backend),
             partitioned=rung.partitioned,
             backend=ready.backend,
             reason=ready.reason,

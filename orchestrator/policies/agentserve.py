@@ -54,6 +54,11 @@ class AgentServe(Policy):
         self.ctl = TpotController(config.controller, config.slo, self.control_ladder(), self.feedback)
         self.guard_pos = ladder.highest_below(1.0 - config.guard.min_prefill_share)
         self.resumes_ran_last = False  # the prefill lane's last step was resumes only
+        setting = config.scheduler.decode_full_rung_when_idle
+        # auto: on SMs only.  On CPU cores a prefill step beside decode on the full rung runs at SCHED_IDLE, behind
+        # every runnable thread of the machine (orchestrator, clients), and a resume there took 1.4x as long as on a
+        # core of its own while decode gained nothing (docs/scheduler.md)
+        self.full_rung_when_idle = setting == "always" or (setting == "auto" and ladder.unit == "SMs")
 
     def control_ladder(self) -> Ladder:
         return self.ladder
@@ -74,7 +79,7 @@ class AgentServe(Policy):
         """Decode's rung while no prefill step holds a partition: the full rung if no cold prefill exists
         (at most resumes beside it, at low priority), else the controller's rung."""
         cold = q.waiting[Phase.COLD] or q.prefilling[Phase.COLD]
-        if self.config.scheduler.decode_full_rung_when_idle and not cold:
+        if self.full_rung_when_idle and not cold:
             return self.ladder.full
         return self.ladder.control[self._pos(starving)]
 

@@ -15,6 +15,7 @@ from agentserve import configs
 from agentserve.configs import ConfigError
 
 PREFILL_LANE_RESUMES = ("first", "idle", "never")  # when AgentServe's prefill lane takes resumes
+DECODE_FULL_RUNG = ("auto", "always", "never")  # whether AgentServe's decode takes the full rung with no cold prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +25,7 @@ class SchedCfg:
     max_batch_seqs: int = 256
     cold_chunk_tokens: int = 256
     max_prefill_seqs: int = 8
-    decode_full_rung_when_idle: bool = True
+    decode_full_rung_when_idle: str = "auto"
     decode_lookahead: int = 1
     prefill_lane_resumes: str = "first"
     resume_ride_after_ms: float = 150.0
@@ -141,6 +142,8 @@ class SchedulerConfig:
             (self.scheduler.prefill_lane_resumes in PREFILL_LANE_RESUMES,
              f"prefill_lane_resumes in {PREFILL_LANE_RESUMES}"),
             (self.scheduler.resume_ride_after_ms >= 0, "resume_ride_after_ms >= 0"),
+            (self.scheduler.decode_full_rung_when_idle in DECODE_FULL_RUNG,
+             f"decode_full_rung_when_idle in {DECODE_FULL_RUNG}"),
             (self.chunked.token_budget > 0 and self.llamacpp.n_batch > 0, "token budgets > 0"),
             (self.llamacpp.n_slots > 0, "n_slots > 0"),
         ]

@@ -16,10 +16,11 @@ from agentserve.protocol.lanes import Rung
 
 
 class Ladder:
-    def __init__(self, rungs: list[Rung], lo_share: float = 0.0, hi_share: float = 1.0) -> None:
+    def __init__(self, rungs: list[Rung], lo_share: float = 0.0, hi_share: float = 1.0, unit: str = "SMs") -> None:
         if not rungs:
             raise ValueError("the executor reported an empty ladder")
         self.rungs = {r.index: r for r in rungs}
+        self.unit = unit  # what the rungs count: SMs (a GPU) or cores (a CPU)
         # an unpartitioned rung lends the whole device to both lanes (prefill_units == decode_units)
         self.total = max(r.decode_units + r.prefill_units if r.partitioned else r.decode_units for r in rungs)
         unpartitioned = [r for r in rungs if not r.partitioned] or rungs

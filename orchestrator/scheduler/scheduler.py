@@ -69,7 +69,7 @@ from agentserve.orchestrator.scheduler.request import Phase, ReqState, Request
 from agentserve.orchestrator.scheduler.rungs import Ladder
 from agentserve.orchestrator.scheduler.session_kv import SessionKV, tool_ttl
 from agentserve.orchestrator.scheduler.window import Window
-from agentserve.protocol.lanes import Lane
+from agentserve.protocol.lanes import Lane, backend_unit
 from agentserve.protocol.ring_messages import ExecError, Plan, Ready, Release, Result, SeqResult
 from agentserve.protocol.sampling import Finish, SamplingParams
 from agentserve.protocol.stopping import finish_reason
@@ -125,7 +125,7 @@ class Scheduler:
         self.clock = clock
         self.on_landed = on_landed  # told of each landed step: its result, its plan's entries, the policy state
         cc = self.config.controller
-        self.ladder = Ladder(ready.ladder, cc.r_min_lo_share, cc.r_min_hi_share)
+        self.ladder = Ladder(ready.ladder, cc.r_min_lo_share, cc.r_min_hi_share, backend_unit(ready.backend))
         self.policy = make_policy(policy, self.config, self.ladder) if isinstance(policy, str) else policy
         self.kv = KVManager(ready.num_blocks, ready.block_size)
         capacity = ready.num_blocks * ready.block_size

@@ -12,7 +12,7 @@ from agentserve.orchestrator.policies import POLICY_NAMES, make_policy
 from agentserve.orchestrator.scheduler.config import SchedulerConfig, load_config
 from agentserve.orchestrator.scheduler.request import Phase
 from agentserve.orchestrator.scheduler.scheduler import Scheduler
-from agentserve.protocol.lanes import Lane
+from agentserve.protocol.lanes import CPU_CORES_BACKEND, Lane
 from agentserve.protocol.ring_messages import ExecError, Plan, Release
 from agentserve.protocol.sampling import Finish, SamplingParams
 
@@ -22,9 +22,10 @@ BS = 16
 class Driver:
     """A scheduler and a fake executor on a manual clock."""
 
-    def __init__(self, policy: str = "agentserve", num_blocks: int = 256, lookahead: int = 0) -> None:
+    def __init__(self, policy: str = "agentserve", num_blocks: int = 256, lookahead: int = 0,
+                 backend: str = "fake") -> None:
         self.now = 0.0
-        info = ready(num_blocks, BS)
+        info = ready(num_blocks, BS, backend=backend)
         # These tests step a manual clock through one plan at a time; overlap (queued plans) has
         # its own tests (test_lookahead_*, test_hol_blocking, test_properties).
         base = SchedulerConfig()
@@ -284,6 +285,40 @@ def test_with_no_cold_prefill_a_resume_takes_the_idle_prefill_lane(mode):
     d.until_finished(resume)
     d.until_finished(decoding)
     d.sched.check()
+
+
+@pytest.mark.parametrize(
+    ("backend", "setting", "full"),
+    [("fake", "auto", True), (CPU_CORES_BACKEND, "auto", False), (CPU_CORES_BACKEND, "always", True),
+     ("fake", "never", False)],
+)
+def test_decode_takes_the_full_rung_with_no_cold_prefill_on_sms_only_by_default(backend, setting, full):
+    """auto: a GPU's decode takes every SM while no cold prefill exists; CPU decode keeps its core, so a resume
+    runs on a core of its own at normal priority instead of at SCHED_IDLE beside it."""
+    d = Driver(backend=backend)
+    _with_scheduler(d, decode_full_rung_when_idle=setting)
+    d.sched.policy = make_policy("agentserve", d.sched.config, d.sched.ladder)  # the policy reads it at start
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    decoding = d.sched.submit(d.sched.open_session(), list(range(10, 60)), sp)
+    d.pump()
+    d.land()
+    (decode_plan,) = d.pump()
+    resume = d.sched.submit(d.sched.open_session(), list(range(300, 360)), sp)
+    (plan,) = d.pump()
+    assert plan.lane is Lane.PREFILL and [s.seq_id for s in plan.seqs] == [resume]
+    ladder = d.sched.ladder
+    if full:
+        assert decode_plan.rung == plan.rung == ladder.full
+    else:
+        assert decode_plan.rung == plan.rung != ladder.full and ladder.rungs[plan.rung].partitioned
+    d.until_finished(resume)
+    d.until_finished(decoding)
+    d.sched.check()
+
+
+def test_decode_full_rung_setting_is_validated():
+    with pytest.raises(ConfigError, match="decode_full_rung_when_idle"):
+        load_config(overrides={"scheduler": {"decode_full_rung_when_idle": "sometimes"}})
 
 
 def _decoding_beside_a_cold_prefill(d: Driver) -> tuple[int, int]:

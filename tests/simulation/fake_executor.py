@@ -62,10 +62,11 @@ def ladder(total: int = 10, partitioned: bool = True) -> list[Rung]:
     return rungs
 
 
-def ready(num_blocks: int, block_size: int = 16, max_model_len: int = 8192, partitioned: bool = True) -> Ready:
+def ready(num_blocks: int, block_size: int = 16, max_model_len: int = 8192, partitioned: bool = True,
+          backend: str = "fake") -> Ready:
     return Ready(
         wire_version=1, pid=0, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-        vocab_size=32000, eos_token_ids=[EOS], backend="fake", reason="test", ladder=ladder(partitioned=partitioned),
+        vocab_size=32000, eos_token_ids=[EOS], backend=backend, reason="test", ladder=ladder(partitioned=partitioned),
     )  # fmt: skip
 
 
