@@ -101,14 +101,18 @@ def cpu_engine() -> str:
     import torch
 
     from agentserve.executor.linear import choose_format
+    from agentserve.executor.runner import resolve_kv_dtype
 
     fmt = choose_format("auto", torch.bfloat16, torch.zeros(1, 1))  # the engine's own choice, per matrix
+    kv = resolve_kv_dtype("auto", torch.device("cpu"), torch.float32, [fmt], "auto")
+    cache = ("an fp16 KV cache (compiled decode-attention kernel)" if kv == torch.float16
+             else "an fp32 KV cache")
     return {
         "dense": "fp32 activations, dense fp32 matrices (no FBGEMM fp16 kernel in this build/CPU)",
         "hybrid": "fp32 activations, hybrid matrices: bf16 products for prefill chunks (native bf16), "
-                  "packed fp16 for decode, compiled fp32 decode-attention kernel",
-        "fp16": "fp32 activations, packed fp16 matrices (no native bf16), compiled fp32 decode-attention kernel",
-    }[fmt]
+                  "packed fp16 for decode",
+        "fp16": "fp32 activations, packed fp16 matrices (no native bf16)",
+    }[fmt] + f", {cache}"
 
 
 def render(info: dict[str, Any]) -> str:

@@ -46,6 +46,7 @@ def _runner_kwargs(engine: dict[str, Any], path: Any, prompts: list[list[int]], 
     kwargs: dict[str, Any] = {
         "dtype": engine["dtype"],
         "weights": engine["weights"],
+        "kv_cache_dtype": engine["kv_cache_dtype"],
         "device": engine["device"],
         "block_size": int(engine["block_size"]),
         "attention_backend": engine["attention_backend"],

@@ -72,6 +72,7 @@ RECV_POLL_S = 0.5
 RUNNER_OPTIONS: tuple[tuple[str, type], ...] = (
     ("dtype", str),
     ("weights", str),
+    ("kv_cache_dtype", str),
     ("attention_backend", str),
     ("device", str),
     ("block_size", int),
@@ -201,7 +202,8 @@ class Executor:
             backend=self.backend.name,
             reason=self.backend.reason,
             ladder=list(self.backend.ladder),
-            device=f"{r.device} {self.backend.device} {dtype}, {r.weight_format} matrices",
+            device=f"{r.device} {self.backend.device} {dtype}, {r.weight_format} matrices, "
+                   f"{str(r.kv_dtype).removeprefix('torch.')} KV",
             model=model,
         )
 

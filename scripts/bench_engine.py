@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--weights", default="auto", help="auto | dense | fp16 | hybrid (see configs/engine.toml)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | float32 | float16 (see configs/engine.toml)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = all cores)")
     ap.add_argument("--repeats", type=int, default=3, help="timed prefill runs per size (median)")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size (median)")
@@ -166,7 +167,8 @@ def main() -> None:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     path = resolve_model(args.model)
     blocks = max(DECODE_BATCHES) * -(-(CONTEXT + args.steps + 8) // 16) + max(PREFILL_LENS) // 16
-    runner = ModelRunner(path, dtype=args.dtype, device=args.device, num_blocks=blocks, weights=args.weights)
+    runner = ModelRunner(path, dtype=args.dtype, device=args.device, num_blocks=blocks, weights=args.weights,
+                         kv_cache_dtype=args.kv_cache_dtype)
     sides: dict = {"agentserve": RunnerSide(runner)}
     if not args.no_hf:
         sides["transformers_eager"] = HFSide(path, runner.dtype, runner.device)
@@ -174,6 +176,7 @@ def main() -> None:
     result = {
         "model": str(args.model), "architecture": runner.config.architecture, "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."), "matrix_format": runner.weight_format,
+        "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "decode_context_tokens": CONTEXT, "weight_bytes": weight_bytes(runner),
         "copy_bandwidth_gb_s": round(bw / 1e9, 2),

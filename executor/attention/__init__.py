@@ -27,9 +27,13 @@ log = logging.getLogger(__name__)
 
 def create_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype, cache_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """Instantiate the attention backend called ``name`` for a KV cache of ``dtype`` on ``device``."""
+    """Instantiate the attention backend called ``name`` for ``dtype`` activations on ``device`` over a KV cache
+    of ``cache_dtype`` (default: ``dtype``; PyTorch and the compiled CPU kernel also take fp16 beside fp32)."""
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    if cache_dtype != dtype and (device.type != "cpu" or name in ("triton", "flashinfer")):
+        raise EngineError(f"attention backend {name!r} on {device.type} needs the KV cache in the model dtype")
     if name not in BACKENDS:
         raise EngineError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
     if name == "auto" and device.type == "cuda":
@@ -48,7 +52,7 @@ def create_backend(
     from agentserve.executor.attention.torch_backend import TorchAttention
 
     kernel = None if name == "torch" else _decode_kernel(name, num_heads, num_kv_heads, head_dim, block_size,
-                                                          device, dtype)
+                                                          device, dtype, cache_dtype)
     return TorchAttention(num_heads, num_kv_heads, head_dim, block_size, device, decode_kernel=kernel)
 
 
@@ -74,7 +78,7 @@ def _require_triton(device: torch.device) -> None:
 
 
 def _decode_kernel(name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   device: torch.device, dtype: torch.dtype) -> PagedDecodeKernel | None:
+                   device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> PagedDecodeKernel | None:
     """The compiled CPU decode kernel where it applies; else None (``auto``, logged) or an error (``cpu-kernel``)."""
     from agentserve.executor.attention import cpu_kernel
 
@@ -82,13 +86,16 @@ def _decode_kernel(name: str, num_heads: int, num_kv_heads: int, head_dim: int, 
     if device.type == "cpu" and dtype == torch.float32:
         if (kernel := cpu_kernel.load()) is None:
             why = "it could not be built (see the log)"
+        elif cache_dtype not in kernel.cache_dtypes:
+            kernel, why = None, f"this build does not read a {str(cache_dtype).removeprefix('torch.')} cache"
         elif not kernel.supports(num_heads, num_kv_heads, head_dim, block_size):
             kernel, why = None, (f"{num_heads} heads / {num_kv_heads} KV heads of size {head_dim} in blocks of "
                                  f"{block_size} are beyond its limits")
     if name == "cpu-kernel" and kernel is None:
         raise EngineError(f"attention backend 'cpu-kernel' is unavailable: {why}")
     if device.type == "cpu":
-        log.info("decode attention: %s", "the compiled paged-decode kernel" if kernel else f"PyTorch ({why})")
+        log.info("decode attention: %s", f"the compiled paged-decode kernel over a {cache_dtype} cache" if kernel
+                 else f"PyTorch ({why})")
     return kernel
 
 

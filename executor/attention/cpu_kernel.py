@@ -101,16 +101,25 @@ def _open(path: Path) -> ctypes.CDLL:
 
 
 class PagedDecodeKernel:
-    """``paged_decode_f32`` with typed arguments; tensors must be contiguous and on the CPU."""
+    """``paged_decode_f32`` / ``paged_decode_f16`` with typed arguments; tensors must be contiguous and on the CPU.
+
+    The query and the output are fp32; the caches fp32, or fp16 where the build reads them (:attr:`reads_f16`:
+    the CPU has F16C)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.paged_decode_f32
         ptr, i32 = ctypes.c_void_p, ctypes.c_int
-        fn.argtypes = [ptr] * 3 + [ctypes.c_int64] + [ptr] * 3 + [i32] * 6 + [ctypes.c_float, i32]
-        fn.restype = i32
-        self._fn = fn
+        self._fns = {}
+        for dtype, name in ((torch.float32, "paged_decode_f32"), (torch.float16, "paged_decode_f16")):
+            fn = getattr(library, name)
+            fn.argtypes = [ptr] * 3 + [ctypes.c_int64] + [ptr] * 3 + [i32] * 6 + [ctypes.c_float, i32]
+            fn.restype = i32
+            self._fns[dtype] = fn
         self._supports = library.paged_decode_supports
         self._supports.argtypes, self._supports.restype = [i32] * 4, i32
+        has_f16 = library.paged_decode_has_f16
+        has_f16.argtypes, has_f16.restype = [], i32
+        self.reads_f16 = bool(has_f16())
+        self.cache_dtypes = (torch.float32, torch.float16) if self.reads_f16 else (torch.float32,)
 
     def supports(self, heads: int, kv_heads: int, dim: int, block_size: int) -> bool:
         """Whether the kernel takes this model shape (it has fixed limits on heads, dim and block size)."""
@@ -126,10 +135,12 @@ class PagedDecodeKernel:
             raise ValueError(f"paged decode kernel: mismatched shapes q {tuple(q.shape)}, caches "
                              f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}, tables {tuple(tables.shape)}, "
                              f"lens {tuple(lens.shape)}")
-        for t, dtype in ((q, torch.float32), (k_cache, torch.float32), (v_cache, torch.float32),
-                         (tables, torch.int64), (lens, torch.int64)):
+        cache = k_cache.dtype if k_cache.dtype in self.cache_dtypes else torch.float32
+        for t, dtype in ((q, torch.float32), (k_cache, cache), (v_cache, cache), (tables, torch.int64),
+                         (lens, torch.int64)):
             if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError(f"paged decode kernel needs contiguous CPU {dtype} tensors")
+                raise ValueError(f"paged decode kernel needs contiguous CPU {dtype} tensors "
+                                 f"(caches: one of {[str(d) for d in self.cache_dtypes]})")
         return self.run(q, k_cache, v_cache, tables, lens, scale, threads)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -140,12 +151,14 @@ class PagedDecodeKernel:
         b, heads, dim = q.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape
         out = torch.empty_like(q)
-        rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, tables.data_ptr(),
-                      lens.data_ptr(), out.data_ptr(), b, heads, kv_heads, dim, block_size, tables.shape[1], scale,
-                      threads)
+        fn = self._fns[k_cache.dtype]
+        rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, tables.data_ptr(), lens.data_ptr(),
+                out.data_ptr(), b, heads, kv_heads, dim, block_size, tables.shape[1], scale, threads)
         if rc == -1:
             raise ValueError(f"paged decode kernel does not take heads={heads} kv_heads={kv_heads} dim={dim} "
                              f"block_size={block_size} (check supports() first)")
+        if rc == -4:
+            raise ValueError("this build of the paged decode kernel does not read fp16 caches (no F16C)")
         if rc == -3:
             raise MemoryError("paged decode kernel: no memory for its softmax state")
         if rc != 0:

@@ -188,6 +188,9 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: _PrefillPlan | _DecodePlan) -> torch.Tensor:
+        narrow = k_cache.dtype != q.dtype  # an fp16 cache under fp32 activations (CPU)
+        if narrow:  # a chunk attends its own new keys as stored, as a later chunk will read them
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slots, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slots, v)
         if isinstance(meta, _DecodePlan):
@@ -198,6 +201,8 @@ class TorchAttention(AttentionBackend):
             if c.blocks is not None:
                 ck = _gather(k_cache, c.blocks, meta.buffers, ("k", i))[: c.end - c.begin + c.start]
                 cv = _gather(v_cache, c.blocks, meta.buffers, ("v", i))[: c.end - c.begin + c.start]
+            if narrow:
+                ck, cv = ck.to(q.dtype), cv.to(q.dtype)
             attend = self._sdpa_chunk if self.sdpa_prefill else self._flash_chunk
             out[c.begin : c.end] = attend(q[c.begin : c.end], ck, cv, c.start)
         if meta.decode is not None:
@@ -212,8 +217,8 @@ class TorchAttention(AttentionBackend):
             out = self.decode_kernel.run(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.lens, self.scale,
                                          meta.threads)
             return out.view(b, -1)
-        kc = _gather(k_cache, meta.block_tables, meta.buffers, "k").transpose(1, 2)  # [B, kv_heads, S, D]
-        vc = _gather(v_cache, meta.block_tables, meta.buffers, "v").transpose(1, 2)
+        kc = _gather(k_cache, meta.block_tables, meta.buffers, "k").to(q.dtype).transpose(1, 2)  # [B, kv_heads, S, D]
+        vc = _gather(v_cache, meta.block_tables, meta.buffers, "v").to(q.dtype).transpose(1, 2)
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
         if meta.shared is None:
             out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.mask(), scale=self.scale)
@@ -234,7 +239,7 @@ class TorchAttention(AttentionBackend):
         else:
             n = blocks.numel()
             ks, vs = (c.narrow(0, run, n).view(-1, *c.shape[2:]) for c in (k_cache, v_cache))
-        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, P, D]
+        ks, vs = (t.to(qg.dtype).transpose(0, 1).unsqueeze(0) for t in (ks, vs))  # [1, kv_heads, P, D]
         rows = qg.transpose(0, 1).reshape(1, kvh, b * g, d)
         out, lse = _flash_cpu(rows, ks, vs, scale=self.scale)
         return out.view(kvh, b, g, d).transpose(0, 1), lse.view(kvh, b, g).transpose(0, 1)

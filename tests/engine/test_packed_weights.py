@@ -121,8 +121,9 @@ def test_prefill_rows_are_the_rows_of_chunks_longer_than_one_token():
 
 @needs_fbgemm
 def test_bf16_checkpoint_runs_packed_and_matches_transformers(case, bf16_checkpoints):
+    """Packed matrices over the exact (fp32) KV cache: transformers' greedy tokens and logits."""
     path, hf = bf16_checkpoints[case.name]
-    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64, weights="fp16")
+    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64, weights="fp16", kv_cache_dtype="float32")
     assert runner.weight_format == "fp16"  # 16-bit matrices on an fp32 CPU runner, packed
     assert runner.model.embed.dtype == torch.bfloat16  # the lookup table stays as stored (tied or not)
     assert greedy_generate(runner, case.prompts, MAX_NEW) == [hf_greedy(hf, p, MAX_NEW) for p in case.prompts]
@@ -144,7 +145,8 @@ def test_forced_fp16_on_fp32_checkpoint_matches_fp16_rounded_transformers(cases)
         for name, p in rounded.named_parameters():
             if "proj.weight" in name or "lm_head" in name:
                 p.copy_(p.half().float())
-    runner = ModelRunner(case.path, dtype="float32", device="cpu", num_blocks=8, weights="fp16")
+    runner = ModelRunner(case.path, dtype="float32", device="cpu", num_blocks=8, weights="fp16",
+                         kv_cache_dtype="float32")  # the exact cache: only the matrices are rounded
     assert runner.weight_format == "fp16"
     tokens = case.prompts[3]
     got = runner.prefill([PrefillChunk(tokens, 0, list(range(8)))], all_logits=True)[0]
@@ -231,16 +233,21 @@ def test_packed_llama_with_attention_and_mlp_biases_matches_transformers(tmp_pat
             p.normal_(0.0, 0.15)
     model.save_pretrained(tmp_path / "biases")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "biases", dtype=torch.float32).eval()
-    runner = ModelRunner(tmp_path / "biases", dtype="float32", device="cpu", num_blocks=8, weights="fp16")
+    runner = ModelRunner(tmp_path / "biases", dtype="float32", device="cpu", num_blocks=8, weights="fp16",
+                         kv_cache_dtype="float32")
     assert runner.weight_format == "fp16" and runner.model.embed.dtype == torch.bfloat16  # no wide copy kept
     tokens = random_prompts([40], seed=5)[0]
     got = runner.prefill([PrefillChunk(tokens, 0, list(range(8)))], all_logits=True)[0]
     assert rel_err(got, hf_logits(hf, tokens)) < REL_TOL
 
 
-def test_bad_weight_format_is_a_clear_error(cases):
+def test_bad_weight_format_or_cache_type_is_a_clear_error(cases):
     path = cases["llama_tied"].path
     with pytest.raises(EngineError, match="unknown weights setting"):
         ModelRunner(path, dtype="float32", device="cpu", num_blocks=2, weights="int4")
     with pytest.raises(EngineError, match="float32"):
         ModelRunner(path, dtype="bfloat16", device="cpu", num_blocks=2, weights="fp16")
+    with pytest.raises(EngineError, match="unknown kv_cache_dtype"):
+        ModelRunner(path, dtype="float32", device="cpu", num_blocks=2, kv_cache_dtype="int8")
+    with pytest.raises(EngineError, match="only the model dtype"):
+        ModelRunner(path, dtype="bfloat16", device="cpu", num_blocks=2, kv_cache_dtype="float16")
