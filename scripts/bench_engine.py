@@ -3,9 +3,10 @@
     python scripts/bench_engine.py --model bench --json
 
 Prefill tokens/s at 256 / 1024 / 4096 tokens; decode step time at batch 1 / 4 / 16 / 32 with 512 tokens of
-context per sequence; decode batch 1 as a fraction of the memory-bandwidth roofline (weight bytes divided by
-the copy bandwidth measured in this run).  The two engines are timed alternately, run by run and step by
-step, so that load from other processes on a shared machine hits both alike; medians are reported.
+context per sequence (``--context``); decode batch 1 as a fraction of the memory-bandwidth roofline (weight
+bytes divided by the copy bandwidth measured in this run).  The two engines are timed alternately, run by
+run and step by step, so that load from other processes on a shared machine hits both alike; medians are
+reported.
 Numbers only: nothing here asserts a timing.
 """
 
@@ -26,7 +27,7 @@ from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
 PREFILL_LENS = (256, 1024, 4096)
 DECODE_BATCHES = (1, 4, 16, 32)
-CONTEXT = 512
+CONTEXT = 512  # cached tokens per decode sequence (--context)
 
 
 def sync(device: torch.device) -> None:
@@ -73,8 +74,8 @@ def tokens(n: int, vocab: int, seed: int) -> list[int]:
 class RunnerSide:
     """ModelRunner; every sequence gets private, linearly allocated blocks."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.r = runner
+    def __init__(self, runner: ModelRunner, context: int) -> None:
+        self.r, self.context = runner, context
         self.vocab, self.bs = runner.config.vocab_size, runner.block_size
 
     def prefill_fn(self, n: int) -> Callable[[], object]:
@@ -82,17 +83,18 @@ class RunnerSide:
         return lambda: self.r.prefill(chunk)
 
     def decode_fn(self, batch: int, steps: int) -> Callable[[], object]:
-        """One decode step per call for ``batch`` sequences that start with CONTEXT cached tokens each."""
-        per_seq = -(-(CONTEXT + steps) // self.bs)
+        """One decode step per call for ``batch`` sequences that start with ``context`` cached tokens each."""
+        context = self.context
+        per_seq = -(-(context + steps) // self.bs)
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-        self.r.prefill([PrefillChunk(tokens(CONTEXT, self.vocab, 1), 0, tables[0])])
-        ctx = -(-CONTEXT // self.bs)
+        self.r.prefill([PrefillChunk(tokens(context, self.vocab, 1), 0, tables[0])])
+        ctx = -(-context // self.bs)
         src = torch.tensor(tables[0][:ctx], device=self.r.device)
         for t in tables[1:]:  # each sequence its own copy of the context: distinct memory, as in real use
             dst = torch.tensor(t[:ctx], device=self.r.device)
             for k, v in zip(self.r.kv_cache.k, self.r.kv_cache.v, strict=True):
                 k[dst], v[dst] = k[src], v[src]
-        pos = [CONTEXT]
+        pos = [context]
 
         def step() -> None:
             self.r.decode([DecodeItem(7, pos[0], t) for t in tables])
@@ -104,12 +106,12 @@ class RunnerSide:
 class HFSide:
     """transformers eager with its DynamicCache."""
 
-    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device, context: int) -> None:
         import transformers
 
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation="eager").to(device).eval()
-        self.device, self.vocab = device, self.model.config.vocab_size
+        self.device, self.vocab, self.context = device, self.model.config.vocab_size, context
 
     def prefill_fn(self, n: int) -> Callable[[], object]:
         ids = torch.tensor([tokens(n, self.vocab, n)], device=self.device)
@@ -117,7 +119,7 @@ class HFSide:
 
     @torch.inference_mode()
     def decode_fn(self, batch: int, steps: int) -> Callable[[], object]:
-        ids = torch.tensor([tokens(CONTEXT, self.vocab, 1)], device=self.device)
+        ids = torch.tensor([tokens(self.context, self.vocab, 1)], device=self.device)
         cache = self.model(ids, use_cache=True, logits_to_keep=1).past_key_values
         cache.batch_repeat_interleave(batch)
         nxt = torch.full((batch, 1), 7, device=self.device)
@@ -159,6 +161,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed prefill runs per size (median)")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size (median)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--context", type=int, default=CONTEXT, help="cached tokens per decode sequence")
     ap.add_argument("--json", action="store_true", help="print the result as one line of JSON")
     args = ap.parse_args()
 
@@ -166,19 +169,19 @@ def main() -> None:
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     path = resolve_model(args.model)
-    blocks = max(DECODE_BATCHES) * -(-(CONTEXT + args.steps + 8) // 16) + max(PREFILL_LENS) // 16
+    blocks = max(DECODE_BATCHES) * -(-(args.context + args.steps + 8) // 16) + max(PREFILL_LENS) // 16
     runner = ModelRunner(path, dtype=args.dtype, device=args.device, num_blocks=blocks, weights=args.weights,
                          kv_cache_dtype=args.kv_cache_dtype)
-    sides: dict = {"agentserve": RunnerSide(runner)}
+    sides: dict = {"agentserve": RunnerSide(runner, args.context)}
     if not args.no_hf:
-        sides["transformers_eager"] = HFSide(path, runner.dtype, runner.device)
+        sides["transformers_eager"] = HFSide(path, runner.dtype, runner.device, args.context)
     bw = copy_bandwidth(runner.device)
     result = {
         "model": str(args.model), "architecture": runner.config.architecture, "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."), "matrix_format": runner.weight_format,
         "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
-        "decode_context_tokens": CONTEXT, "weight_bytes": weight_bytes(runner),
+        "decode_context_tokens": args.context, "weight_bytes": weight_bytes(runner),
         "copy_bandwidth_gb_s": round(bw / 1e9, 2),
         "load_average_before": round(os.getloadavg()[0], 2),  # timings are only meaningful on a quiet machine
     }
