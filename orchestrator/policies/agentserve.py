@@ -99,6 +99,8 @@ class AgentServe(Policy):
             self.decode_all(batch, q)
             self.add_prefills(batch, q, Phase.RESUME, self.ctl.b_prefill, admit_new=not starving,
                               arrived_by=self.ride_from(now, batch.num_decode > 0))
+            if batch.num_decode == 0 and other_rung is None:
+                rung = self.ladder.full  # resumes alone while the prefill lane idles: every unit is free
             return batch.num_decode + self.ctl.b_prefill, rung
         return self.fill_prefill(batch, q, starving, other_rung)
 

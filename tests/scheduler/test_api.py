@@ -316,6 +316,21 @@ def test_decode_takes_the_full_rung_with_no_cold_prefill_on_sms_only_by_default(
     d.sched.check()
 
 
+def test_a_resume_alone_on_an_idle_device_takes_every_unit():
+    """Nothing decoding, the prefill lane idle: a resume rides in the decode lane at once, on the full rung (on a
+    CPU both cores, where decode itself keeps its own core); the decode steps after it go back to it."""
+    d = Driver(backend=CPU_CORES_BACKEND)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    seq = d.sched.submit(d.sched.open_session(), list(range(300, 360)), sp)
+    (plan,) = d.pump()
+    assert plan.lane is Lane.DECODE and plan.rung == d.sched.ladder.full and [s.seq_id for s in plan.seqs] == [seq]
+    d.land()
+    (after,) = d.pump()
+    assert after.lane is Lane.DECODE and after.rung != d.sched.ladder.full
+    d.until_finished(seq)
+    d.sched.check()
+
+
 def test_decode_full_rung_setting_is_validated():
     with pytest.raises(ConfigError, match="decode_full_rung_when_idle"):
         load_config(overrides={"scheduler": {"decode_full_rung_when_idle": "sometimes"}})
