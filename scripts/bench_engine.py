@@ -142,6 +142,12 @@ def measure(sides: dict, device: torch.device, repeats: int, steps: int) -> dict
     return out
 
 
+def describe(runner: ModelRunner) -> dict[str, str]:
+    """What engine a runner is: its activations, matrix formats and KV cache type."""
+    return {"dtype": str(runner.dtype).removeprefix("torch."), "matrix_format": runner.weight_format,
+            "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch.")}
+
+
 def ratios(ours: dict, hf: dict) -> dict[str, dict[str, float]]:
     return {
         "prefill_throughput": {n: round(v / hf["prefill_tokens_per_s"][n], 2)
@@ -158,6 +164,9 @@ def main() -> None:
     ap.add_argument("--weights", default="auto", help="auto | dense | fp16 | hybrid (see configs/engine.toml)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | float32 | float16 (see configs/engine.toml)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = all cores)")
+    ap.add_argument("--also", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="another engine setting (dtype, weights, kv_cache_dtype) timed alternately with the main "
+                         "one, step by step, as agentserve[SETTING]; repeatable")
     ap.add_argument("--repeats", type=int, default=3, help="timed prefill runs per size (median)")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size (median)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
@@ -173,13 +182,19 @@ def main() -> None:
     runner = ModelRunner(path, dtype=args.dtype, device=args.device, num_blocks=blocks, weights=args.weights,
                          kv_cache_dtype=args.kv_cache_dtype)
     sides: dict = {"agentserve": RunnerSide(runner, args.context)}
+    engines = {}
+    for spec in args.also:
+        kwargs = {"dtype": args.dtype, "weights": args.weights, "kv_cache_dtype": args.kv_cache_dtype}
+        kwargs |= dict(kv.split("=", 1) for kv in spec.split(","))
+        other = ModelRunner(path, device=args.device, num_blocks=blocks, **kwargs)
+        sides[f"agentserve[{spec}]"] = RunnerSide(other, args.context)
+        engines[f"agentserve[{spec}]"] = describe(other)
     if not args.no_hf:
         sides["transformers_eager"] = HFSide(path, runner.dtype, runner.device, args.context)
     bw = copy_bandwidth(runner.device)
     result = {
         "model": str(args.model), "architecture": runner.config.architecture, "device": str(runner.device),
-        "dtype": str(runner.dtype).removeprefix("torch."), "matrix_format": runner.weight_format,
-        "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
+        **describe(runner), "engines_also": engines,
         "threads": torch.get_num_threads(),
         "decode_context_tokens": args.context, "weight_bytes": weight_bytes(runner),
         "copy_bandwidth_gb_s": round(bw / 1e9, 2),
