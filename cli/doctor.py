@@ -100,11 +100,14 @@ def cpu_engine() -> str:
     """What ``dtype = auto`` and ``weights = auto`` run on this CPU for a bf16 checkpoint, and why."""
     import torch
 
+    from agentserve.executor.attention import cpu_decode_kernel
     from agentserve.executor.linear import choose_format
     from agentserve.executor.runner import resolve_kv_dtype
 
-    fmt = choose_format("auto", torch.bfloat16, torch.zeros(1, 1))  # the engine's own choice, per matrix
-    kv = resolve_kv_dtype("auto", torch.device("cpu"), torch.float32, [fmt], "auto")
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    fmt = choose_format("auto", torch.bfloat16, torch.zeros(1, 1))  # the engine's own choices, for the `bench` shape
+    kernel, _ = cpu_decode_kernel("auto", 8, 2, 64, 16, cpu, fp32)
+    kv = resolve_kv_dtype("auto", cpu, fp32, [fmt], kernel is not None and kernel.reads_f16)
     cache = ("an fp16 KV cache (compiled decode-attention kernel)" if kv == torch.float16
              else "an fp32 KV cache")
     return {

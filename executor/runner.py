@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from agentserve.executor.attention import AttentionBatch, create_backend
+from agentserve.executor.attention import AttentionBatch, cpu_decode_kernel, create_backend
 from agentserve.executor.checkpoint import ModelConfig, load_config, load_weights
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
 from agentserve.executor.kv_cache import KVCache, bytes_per_block
@@ -89,33 +89,25 @@ KV_DTYPES = ("auto", "float32", "float16")  # kv_cache_dtype settings (a model d
 
 
 def resolve_kv_dtype(setting: str, device: torch.device, dtype: torch.dtype, weight_formats: list[str],
-                     attention_backend: str) -> torch.dtype:
+                     kernel_reads_f16: bool) -> torch.dtype:
     """The KV cache's element type.  ``auto``: fp16 on a CPU running fp32 activations over packed 16-bit matrices
-    (a 16-bit checkpoint; llama.cpp's default cache type) where the compiled decode kernel reads fp16 — decode
-    attention reads half the bytes, ~2x faster at a few thousand cached tokens, K/V rounded to fp16 (11
-    significant bits); else the model dtype.  ``float32`` (CPU, fp32 activations): the exact cache."""
+    (a 16-bit checkpoint; llama.cpp's default cache type) where the compiled decode kernel the attention backend
+    runs reads fp16 (``kernel_reads_f16``) — decode attention reads half the bytes, 1.2-1.4x faster at a few
+    thousand cached tokens, K/V rounded to fp16 (11 significant bits); else the model dtype.  ``float32`` (CPU,
+    fp32 activations): the exact cache."""
     if setting not in KV_DTYPES:
         raise EngineError(f"unknown kv_cache_dtype {setting!r}; use {', '.join(KV_DTYPES)}")
     cpu_fp32 = device.type == "cpu" and dtype == torch.float32
     if setting == "auto":
         packed = any(f in ("fp16", "hybrid") for f in weight_formats)
-        return torch.float16 if cpu_fp32 and packed and _kernel_reads_f16(attention_backend) else dtype
+        return torch.float16 if cpu_fp32 and packed and kernel_reads_f16 else dtype
     wanted = DTYPES[setting]
     if wanted != dtype and not (cpu_fp32 and wanted == torch.float16):
         raise EngineError(f"kv_cache_dtype {setting} with {str(dtype).removeprefix('torch.')} activations on "
                           f"{device.type}: only the model dtype, or float16 on a CPU running float32")
-    if wanted == torch.float16 and not _kernel_reads_f16(attention_backend):
+    if wanted == torch.float16 and not kernel_reads_f16:
         log.info("fp16 KV cache without the compiled kernel: decode attention widens gathered blocks in PyTorch")
     return wanted
-
-
-def _kernel_reads_f16(attention_backend: str) -> bool:
-    if attention_backend == "torch":
-        return False
-    from agentserve.executor.attention import cpu_kernel
-
-    kernel = cpu_kernel.load()
-    return kernel is not None and kernel.reads_f16
 
 
 def _available_ram() -> int:
@@ -171,8 +163,10 @@ class ModelRunner(RunnerGraphs):
             self.model = DecoderModel(
                 config, load_weights(model_dir), self.dtype, self.device, self.max_model_len, weights
             )
+        kernel, _ = cpu_decode_kernel(attention_backend, config.num_heads, config.num_kv_heads, config.head_dim,
+                                      block_size, self.device, self.dtype)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.device, self.dtype, self.model.weight_formats,
-                                         attention_backend)
+                                         kernel is not None and kernel.reads_f16)
         self.attention = create_backend(
             attention_backend, config.num_heads, config.num_kv_heads, config.head_dim, block_size, self.device,
             self.dtype, self.kv_dtype,

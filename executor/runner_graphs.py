@@ -45,7 +45,7 @@ class RunnerGraphs:
         c = self.config
         return memory_estimate(max_batch=self.graph_max_batch, hidden=c.hidden_size, intermediate=c.intermediate_size,
                                q_size=c.q_size, kv_size=c.kv_size, vocab=c.vocab_size, num_heads=c.num_heads,
-                               head_dim=c.head_dim, dtype_bytes=self.kv_dtype.itemsize, max_splits=MAX_SPLITS)
+                               head_dim=c.head_dim, dtype_bytes=self.dtype.itemsize, max_splits=MAX_SPLITS)
 
     def graphs_unavailable(self) -> str | None:
         """Why decode graphs will not be captured here, or None when they will."""

@@ -77,20 +77,29 @@ def _require_triton(device: torch.device) -> None:
                           "to run its kernels in Triton's CPU interpreter, slowly, for tests)")
 
 
+def cpu_decode_kernel(name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                      device: torch.device, dtype: torch.dtype) -> tuple[PagedDecodeKernel | None, str]:
+    """The compiled CPU decode kernel that backend ``name`` runs for this model, or None and why not."""
+    if name not in ("auto", "cpu-kernel"):
+        return None, f"attention backend {name!r}"
+    if device.type != "cpu" or dtype != torch.float32:
+        return None, "it needs a float32 model on the CPU"
+    from agentserve.executor.attention import cpu_kernel
+
+    if (kernel := cpu_kernel.load()) is None:
+        return None, "it could not be built (see the log)"
+    if not kernel.supports(num_heads, num_kv_heads, head_dim, block_size):
+        return None, (f"{num_heads} heads / {num_kv_heads} KV heads of size {head_dim} in blocks of {block_size} "
+                      "are beyond its limits")
+    return kernel, ""
+
+
 def _decode_kernel(name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                    device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> PagedDecodeKernel | None:
     """The compiled CPU decode kernel where it applies; else None (``auto``, logged) or an error (``cpu-kernel``)."""
-    from agentserve.executor.attention import cpu_kernel
-
-    kernel, why = None, "it needs a float32 model on the CPU"
-    if device.type == "cpu" and dtype == torch.float32:
-        if (kernel := cpu_kernel.load()) is None:
-            why = "it could not be built (see the log)"
-        elif cache_dtype not in kernel.cache_dtypes:
-            kernel, why = None, f"this build does not read a {str(cache_dtype).removeprefix('torch.')} cache"
-        elif not kernel.supports(num_heads, num_kv_heads, head_dim, block_size):
-            kernel, why = None, (f"{num_heads} heads / {num_kv_heads} KV heads of size {head_dim} in blocks of "
-                                 f"{block_size} are beyond its limits")
+    kernel, why = cpu_decode_kernel(name, num_heads, num_kv_heads, head_dim, block_size, device, dtype)
+    if kernel is not None and cache_dtype not in kernel.cache_dtypes:
+        kernel, why = None, f"this build does not read a {str(cache_dtype).removeprefix('torch.')} cache"
     if name == "cpu-kernel" and kernel is None:
         raise EngineError(f"attention backend 'cpu-kernel' is unavailable: {why}")
     if device.type == "cpu":
@@ -99,4 +108,4 @@ def _decode_kernel(name: str, num_heads: int, num_kv_heads: int, head_dim: int, 
     return kernel
 
 
-__all__ = ["AttentionBackend", "AttentionBatch", "create_backend", "BACKENDS"]
+__all__ = ["AttentionBackend", "AttentionBatch", "create_backend", "cpu_decode_kernel", "BACKENDS"]

@@ -41,7 +41,7 @@ import torch
 
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.ladder import CPU_GRANULARITY, DEFAULT_SHARES, build_ladder
-from agentserve.protocol.lanes import Lane, Rung
+from agentserve.protocol.lanes import CPU_CORES_BACKEND, Lane, Rung
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def idle_priority(tid: int) -> Iterator[bool]:
 
 
 class CpuCoresBackend(PartitionBackend):
-    name = "cpu-cores"
+    name = CPU_CORES_BACKEND
     unit = "cores"
 
     def __init__(
