@@ -10,14 +10,15 @@ reused by every later one (:class:`GatherBuffers`), so no layer allocates a copy
 Prefill on CUDA calls SDPA with 4-D ``[1, heads, L, D]`` queries against ``[1, kv_heads, S, D]`` keys and
 ``enable_gqa``, causal (bottom-right aligned after a cached prefix), so its fused kernels run and K/V are
 never repeated per query head.  On CPU it calls SDPA's flash kernel directly with each KV head's query group
-folded into rows (K/V read once per group), in query blocks of at most :data:`CPU_ROW_BLOCK` rows and
-:data:`CPU_MASK_BYTES` of mask: each block attends a cached prefix unmasked and the chunk's own keys, up to its
-last causal one, under an additive causal mask, the two merged by log-sum-exp.  The Triton backend
+folded into rows (K/V read once per group), in query blocks of at most :data:`CPU_ROW_BLOCK` rows: each
+block attends every key before its first row (cached prefix, earlier rows) unmasked and its own rows' keys
+under an additive causal mask the size of the block, the two merged by log-sum-exp.  The Triton backend
 (:mod:`.triton_backend`) replaces this path on CUDA by default.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,8 +32,7 @@ from agentserve.executor.attention.base import AttentionBackend, AttentionBatch
 if TYPE_CHECKING:
     from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
 
-CPU_MASK_BYTES = 16 << 20  # cap on one query block's additive mask (rows x keys)
-CPU_ROW_BLOCK = 256  # query rows per block: smaller blocks skip more of the masked upper triangle
+CPU_ROW_BLOCK = 256  # query rows per block: each block's causal mask covers its own rows' keys only
 
 
 @dataclass
@@ -115,6 +115,15 @@ def _run_start(blocks: list[int]) -> int | None:
     The agents' shared prefix usually is: it is the first thing written into a fresh cache."""
     first = blocks[0]
     return first if blocks == list(range(first, first + len(blocks))) else None
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_block(group: int, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive causal mask of a block of ``rows`` queries against their own keys, for each of a KV head's
+    ``group`` query heads folded into rows: ``[1, 1, group * rows, rows]``, 0 on and below the diagonal, -inf
+    above.  The same for every layer and every block of that size, so made once."""
+    mask = torch.full((group, rows, rows), float("-inf"), dtype=dtype, device=device).triu_(1)
+    return mask.view(1, 1, group * rows, rows)
 
 
 def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -258,23 +267,21 @@ class TorchAttention(AttentionBackend):
     def _flash_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """CPU prefill in query blocks, GQA groups folded into rows. Shapes as ``_sdpa_chunk``.
 
-        After a cached prefix (``start > 0``) each block attends the prefix without a mask and the chunk's own
-        keys with a causal one, merged by log-sum-exp (:func:`cascade.merge`): no mask is built or added over
-        the prefix, the bulk of a resume's keys (a 56-token resume over 3k cached tokens: 15 % less time)."""
-        n, s, kvh, g, d = q.shape[0], k.shape[0], self.num_kv_heads, self.group, self.head_dim
+        Each block of rows attends every key before its first row (the cached prefix and the chunk's earlier
+        rows) without a mask, and its own rows' keys under a causal mask the size of the block, the two merged
+        by log-sum-exp (:func:`cascade.merge`): no mask is built, filled or added over the bulk of the keys."""
+        n, kvh, g, d = q.shape[0], self.num_kv_heads, self.group, self.head_dim
         qh = q.view(n, kvh, g, d).permute(1, 2, 0, 3)  # [kv_heads, group, n, D]
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, S, D] views
         out = torch.empty(n, kvh, g, d, dtype=q.dtype, device=q.device)
-        rows = max(1, min(CPU_ROW_BLOCK, CPU_MASK_BYTES // (q.element_size() * g * (s - start))))
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)  # own keys past the block's last row are masked
+        for r0 in range(0, n, CPU_ROW_BLOCK):
+            r1 = min(n, r0 + CPU_ROW_BLOCK)
             qb = qh[:, :, r0:r1].reshape(1, kvh, g * (r1 - r0), d)
-            mask = torch.full((g, r1 - r0, r1), float("-inf"), dtype=q.dtype, device=q.device)  # per group row
-            mask = mask.triu_(r0 + 1).view(1, 1, g * (r1 - r0), r1)
-            ob, lse = _flash_cpu(qb, kh[:, :, start : start + r1], vh[:, :, start : start + r1], attn_mask=mask,
-                                 scale=self.scale)
-            if start > 0:
-                op, lp = _flash_cpu(qb, kh[:, :, :start], vh[:, :, :start], scale=self.scale)
+            seen, own = start + r0, start + r1  # keys [0, seen) precede every row of the block; [seen, own) its own
+            ob, lse = _flash_cpu(qb, kh[:, :, seen:own], vh[:, :, seen:own],
+                                 attn_mask=_causal_block(g, r1 - r0, q.dtype, q.device), scale=self.scale)
+            if seen > 0:
+                op, lp = _flash_cpu(qb, kh[:, :, :seen], vh[:, :, :seen], scale=self.scale)
                 ob = cascade.merge(op, lp, ob, lse)
             out[r0:r1] = ob.view(kvh, g, r1 - r0, d).permute(2, 0, 1, 3)
         return out.view(n, self.num_heads, d)

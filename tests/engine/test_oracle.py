@@ -101,11 +101,13 @@ def test_sdpa_prefill_path_matches_transformers(case):
     assert rel_err(got, hf_logits(case.hf, a)[33:]) < REL_TOL
 
 
-def test_blocked_cpu_attention_with_tiny_blocks(case, monkeypatch):
-    """Force one query row per mask block in the CPU flash path: results must not change."""
+@pytest.mark.parametrize("rows", [1, 5])
+def test_blocked_cpu_attention_with_tiny_blocks(case, monkeypatch, rows):
+    """Force blocks of one and of five query rows (the last one shorter) in the CPU flash path: results must
+    not change."""
     from agentserve.executor.attention import torch_backend
 
-    monkeypatch.setattr(torch_backend, "CPU_MASK_BYTES", 1)
+    monkeypatch.setattr(torch_backend, "CPU_ROW_BLOCK", rows)
     runner = fp32_runner(case)
     a = case.prompts[3]
     runner.prefill([PrefillChunk(a[:20], 0, list(range(8)))])
