@@ -11,7 +11,7 @@
   accumulation; the result is fp32 again; from ~16 rows it is 1.3-2x faster than the packed product).
   Which rows are which is set per forward with :func:`bf16_rows` — by the chunk a row belongs to, never by
   the batch's size, so a sequence's numbers do not depend on what it is batched with.  Twice the weight
-  memory of either alone.
+  memory of either alone.  :func:`gated_mlp` keeps the bf16 rows in bf16 between the MLP's two products.
 
 Which one a matrix gets (:func:`choose_format`) under the ``weights`` setting: ``dense`` always dense;
 ``fp16`` packs every matrix; ``hybrid`` makes every matrix hybrid; ``auto``, on a CPU running fp32 when the
@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from agentserve.executor.errors import EngineError
+from agentserve.executor.layers import silu_mul
 
 WEIGHTS_SETTINGS = ("auto", "dense", "fp16", "hybrid")  # what a user asks for; a matrix ends up as one of the rest
 FP16_MAX = 65504.0
@@ -114,10 +115,35 @@ class HybridLinear:
         y = F.linear(x.to(torch.bfloat16), self.weight16).float()
         return y if self.bias is None else y.add_(self.bias)
 
+    def bf16_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The bf16 product of bf16 or fp32 rows, left in bf16 (no bias: :func:`gated_mlp` checks)."""
+        return F.linear(x.to(torch.bfloat16), self.weight16)
+
     @property
     def nbytes(self) -> int:
         """What a product streams: the packed matrix for decode-sized products (the bf16 one is the same size)."""
         return self.packed.nbytes
+
+
+def gated_mlp(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate) * up)`` on a fused gate/up projection.
+
+    With hybrid matrices (no biases) the bf16 rows of this forward keep the gate/up product in bf16 and take
+    SwiGLU in bf16: the product is bf16 already (a bf16 matmul's result), and ``down`` rounds SwiGLU's output
+    to bf16 anyway, so only SwiGLU's own rounding is added — and two fp32 copies of the widest activation
+    (~15 % of a long prefill) are saved.  In a step that mixes bf16 and packed rows, the bf16 rows take the
+    same bf16 SwiGLU, so a chunk computes the same numbers whatever it is batched with."""
+    split = getattr(_rows, "split", None)
+    hybrid = isinstance(gate_up, HybridLinear) and isinstance(down, HybridLinear)
+    if split is None or not hybrid or gate_up.bias is not None or down.bias is not None:
+        return down(silu_mul(gate_up(h)))
+    rows, _ = split
+    if rows is ALL_ROWS:
+        return down.bf16_product(silu_mul(gate_up.bf16_product(h))).float()
+    y = gate_up(h)  # the bf16 rows hold bf16 values: converting them back is exact
+    act = silu_mul(y)
+    act[rows] = silu_mul(y[rows].to(torch.bfloat16)).float()
+    return down(act)
 
 
 @functools.cache

@@ -13,8 +13,8 @@ from agentserve.executor.attention import AttentionBackend
 from agentserve.executor.checkpoint import ModelConfig
 from agentserve.executor.errors import CheckpointError
 from agentserve.executor.kv_cache import KVCache
-from agentserve.executor.layers import Rotary, rms_norm, silu_mul
-from agentserve.executor.linear import DenseLinear, HybridLinear, Linear, choose_format, make_linear
+from agentserve.executor.layers import Rotary, rms_norm
+from agentserve.executor.linear import DenseLinear, HybridLinear, Linear, choose_format, gated_mlp, make_linear
 
 
 @dataclass
@@ -147,7 +147,7 @@ class DecoderModel:
                 meta,
             )
             h = rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
-            x = x + layer.down(silu_mul(layer.gate_up(h)))
+            x = x + gated_mlp(layer.gate_up, layer.down, h)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def _attention(

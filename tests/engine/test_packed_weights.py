@@ -23,6 +23,7 @@ from engine_helpers import (
 )
 
 from agentserve.executor.errors import EngineError
+from agentserve.executor.layers import silu_mul
 from agentserve.executor.linear import (
     ALL_ROWS,
     HybridLinear,
@@ -31,6 +32,7 @@ from agentserve.executor.linear import (
     choose_format,
     cpu_has_fast_bf16,
     fp16_packing_available,
+    gated_mlp,
 )
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk, prefill_rows
 
@@ -89,6 +91,32 @@ def test_hybrid_linear_runs_the_rows_it_is_told_in_bf16_and_the_rest_packed(rows
         mixed = lin(x)
     assert torch.equal(mixed[~half], packed(x)[~half]) and torch.equal(mixed[half], got[half])
     assert torch.equal(lin(x), packed(x))  # the context ended
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("rows", [3, 64])
+def test_gated_mlp_keeps_bf16_rows_in_bf16_between_its_products(rows):
+    """The bf16 rows of hybrid matrices take SwiGLU on the bf16 gate/up product (no fp32 round trip); the
+    other rows of a mixed step take the packed path in fp32; with biases, or with dense matrices, it is the
+    plain composition."""
+    g = torch.Generator().manual_seed(rows)
+    wgu, wd = (torch.randn(*shape, generator=g).bfloat16().float() for shape in ((2 * 48, 40), (40, 48)))
+    x = torch.randn(rows, 40, generator=g)
+    gate_up, down = HybridLinear(wgu, None), HybridLinear(wd, None)
+    plain = down(silu_mul(gate_up(x)))
+    assert torch.equal(gated_mlp(gate_up, down, x), plain)  # no bf16 rows named: all packed
+    ref = F.linear(silu_mul(F.linear(x.bfloat16(), wgu.bfloat16())), wd.bfloat16()).float()
+    with bf16_rows(ALL_ROWS):
+        got = gated_mlp(gate_up, down, x)
+        through_fp32 = down(silu_mul(gate_up(x)))
+    assert torch.equal(got, ref) and not torch.equal(got, through_fp32)  # SwiGLU's bf16 rounding is visible
+    half = torch.arange(rows) % 2 == 0
+    with bf16_rows(half.nonzero().squeeze(1), (~half).nonzero().squeeze(1)):
+        mixed = gated_mlp(gate_up, down, x)
+    assert torch.equal(mixed[half], got[half]) and torch.equal(mixed[~half], plain[~half])
+    biased = HybridLinear(wgu, torch.randn(2 * 48, generator=g))
+    with bf16_rows(ALL_ROWS):
+        assert torch.equal(gated_mlp(biased, down, x), down(silu_mul(biased(x))))
 
 
 @needs_fbgemm
