@@ -11,6 +11,11 @@ A :class:`LaneWorker` knows nothing of rings or models: the executor submits *st
   prefill lane is ordered before its first decode on the decode lane without a host sync.
 - Every step records the idle gap before it (time since the lane's previous step ended), the time
   spent waiting on markers, and its own duration.
+- A step submitted with ``preempt=True`` runs at the next layer boundary of the step this lane is
+  running, inside it (:meth:`LaneWorker.run_preempting`, called from the model's layer hook), once the
+  markers it waits on are complete — else in its turn, ahead of the steps queued before it.  So a
+  resume sent ahead of a cold chunk in flight waits for one layer of the chunk, not all of it; its
+  result comes back before the chunk's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from agentserve.executor.layer_hook import layer_callback
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.protocol.lanes import Lane
 
@@ -124,6 +130,7 @@ class _Item:
 
 
 _STOP = object()
+_PREEMPTING = object()  # queued for each preempting step: run the oldest one left, if it did not run inside a step
 
 
 class LaneWorker:
@@ -144,6 +151,9 @@ class LaneWorker:
         self._count = 0
         self._stopping = False
         self._submit_lock = threading.Lock()
+        self._preempting: deque[_Item] = deque()  # preempting steps not yet run, in submission order
+        self._binding: LaneBinding | None = None  # while bound (lane thread only)
+        self._last_end = 0.0  # when the lane's last step ended (lane thread only)
         self._thread = threading.Thread(target=self._run, name=name or f"lane-{self.lane.name.lower()}", daemon=True)
 
     def start(self, timeout: float = 10.0) -> LaneWorker:
@@ -155,17 +165,36 @@ class LaneWorker:
         return self
 
     def submit(
-        self, fn: Callable[[LaneBinding], T], *, after: Iterable[Marker] = (), rung: int | None = None
+        self, fn: Callable[[LaneBinding], T], *, after: Iterable[Marker] = (), rung: int | None = None,
+        preempt: bool = False,
     ) -> LaneStep[T]:
-        """Queue ``fn(binding)``; ``rung`` rebinds the lane before this step (and for the ones after)."""
+        """Queue ``fn(binding)``; ``rung`` rebinds the lane before this step (and for the ones after);
+        ``preempt``: run it inside the running step, at its next layer boundary (see the module's doc)."""
         if rung is not None:
             self.backend.rung(rung)
         step: LaneStep[T] = LaneStep()
+        item = _Item(fn, tuple(after), rung, step)
         with self._submit_lock:  # nothing is queued behind the stop sentinel
             if self._stopping:
                 raise RuntimeError(f"{self._thread.name} is stopped")
-            self._queue.put(_Item(fn, tuple(after), rung, step))
+            if preempt:
+                self._preempting.append(item)
+            self._queue.put(_PREEMPTING if preempt else item)
         return step
+
+    def run_preempting(self) -> None:
+        """Run the preempting steps whose markers are complete, inside the running step (lane thread only)."""
+        if not self._preempting:  # the common case, once per layer: no lock
+            return
+        while (item := self._take_preempting(ready_only=True)) is not None:
+            with layer_callback(None):  # one level: a preempting step is not preempted in turn
+                self._last_end = self._step(item, self._binding, self._last_end)
+
+    def _take_preempting(self, ready_only: bool) -> _Item | None:
+        with self._submit_lock:
+            if not self._preempting or (ready_only and not all(m.done() for m in self._preempting[0].after)):
+                return None
+            return self._preempting.popleft()
 
     def rebind(self, rung: int) -> None:
         """Move to ``rung`` at the next step boundary."""
@@ -201,9 +230,11 @@ class LaneWorker:
             self._bound.set()
             return
         self._bound.set()
-        last_end = time.monotonic()
+        self._last_end = time.monotonic()
         try:
             while (item := self._queue.get()) is not _STOP:
+                if item is _PREEMPTING and (item := self._take_preempting(ready_only=False)) is None:
+                    continue  # it ran inside an earlier step
                 if item.rung is not None:
                     self._want_rung = item.rung
                 if self._want_rung != self.bound_rung:
@@ -214,10 +245,11 @@ class LaneWorker:
                     except BaseException as e:
                         self._fail(item, e)
                         continue
-                last_end = self._step(item, binding, last_end)
+                with layer_callback(self.run_preempting):
+                    self._last_end = self._step(item, binding, self._last_end)
         finally:
             stack.close()
-            self.bound_rung = None
+            self.bound_rung = self._binding = None
 
     def _fail(self, item: _Item, error: BaseException) -> None:
         log.warning("%s step failed: %r", self._thread.name, error)
@@ -225,7 +257,7 @@ class LaneWorker:
         item.step.future.set_exception(error)
 
     def _bind(self, stack: ExitStack, rung: int) -> LaneBinding:
-        binding = stack.enter_context(self.backend.lane_context(self.lane, rung))
+        binding = self._binding = stack.enter_context(self.backend.lane_context(self.lane, rung))
         self.bound_rung = rung
         return binding
 

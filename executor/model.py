@@ -13,6 +13,7 @@ from agentserve.executor.attention import AttentionBackend
 from agentserve.executor.checkpoint import ModelConfig
 from agentserve.executor.errors import CheckpointError
 from agentserve.executor.kv_cache import KVCache
+from agentserve.executor.layer_hook import between_layers
 from agentserve.executor.layers import Rotary, rms_norm
 from agentserve.executor.linear import DenseLinear, HybridLinear, Linear, choose_format, gated_mlp, make_linear
 
@@ -136,6 +137,7 @@ class DecoderModel:
         x = F.embedding(input_ids, self.embed).to(self.dtype)
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
+            between_layers()  # a preempting step may run here, between this forward's layers
             x = x + self._attention(
                 layer,
                 rms_norm(x, layer.input_norm, self.config.rms_norm_eps),

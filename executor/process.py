@@ -114,7 +114,8 @@ class Executor:
         """Queue ``plan`` on its lane, after any other-lane step that still writes its sequences."""
         ids = [s.seq_id for s in plan.seqs]
         lane = Lane(plan.lane)
-        step = self.lanes[lane].submit(lambda b: self._run(plan, b), after=self.written.pending(ids), rung=plan.rung)
+        step = self.lanes[lane].submit(lambda b: self._run(plan, b), after=self.written.pending(ids), rung=plan.rung,
+                                       preempt=plan.preempt)
         self.written.mark(ids, step.marker)
         step.future.add_done_callback(lambda f: self._report_failure(plan, f.exception()))
 

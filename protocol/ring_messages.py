@@ -24,7 +24,7 @@ from agentserve.protocol.base import WireStruct
 from agentserve.protocol.lanes import Lane, Rung
 from agentserve.protocol.sampling import Finish, SamplingParams
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 
 class SeqPlan(WireStruct):
@@ -52,6 +52,9 @@ class Plan(WireStruct, tag="plan"):
     rung: int  # context index: which partition rung the lane runs on
     token_budget: int
     seqs: list[SeqPlan]
+    # run inside the step the lane is running, at its next layer boundary (a resume sent ahead of a cold
+    # chunk in flight); its Result then comes back before that step's
+    preempt: bool = False
 
 
 class Release(WireStruct, tag="release"):

@@ -31,13 +31,16 @@ def quantile(values: list[float], q: float) -> float:
 def beside(step: dict, prefill_steps: list[dict], starts: list[float]) -> str:
     """What the prefill lane ran while ``step`` ran: none, short or long (by its prefill tokens).
 
-    ``prefill_steps`` are sorted by start (``starts``); one lane's steps never overlap each other, so the
-    walk back from the last one starting before ``step`` ends stops at the first that ended before it."""
-    over = []
+    ``prefill_steps`` are sorted by start (``starts``).  One lane's steps overlap only where a preempting step
+    ran inside another (the one just before it), so the walk back from the last one starting before ``step``
+    ends stops at the first that ended before it and is not inside the one before it."""
+    over: list[dict] = []
     for i in range(bisect.bisect_left(starts, step["end"]) - 1, -1, -1):
-        if prefill_steps[i]["end"] <= step["start"]:
+        p = prefill_steps[i]
+        if p["end"] > step["start"]:
+            over.append(p)
+        elif not (i > 0 and prefill_steps[i - 1]["end"] >= p["end"]):
             break
-        over.append(prefill_steps[i])
     if not over:
         return "none"
     return "long" if max(p["prefill_tokens"] for p in over) >= LONG_PREFILL else "short"

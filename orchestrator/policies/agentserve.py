@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from agentserve.orchestrator.policies.base import Policy
 from agentserve.orchestrator.policies.controller import TpotController
-from agentserve.orchestrator.scheduler.batch import Batch
+from agentserve.orchestrator.scheduler.batch import Batch, Entry
 from agentserve.orchestrator.scheduler.config import SchedulerConfig
 from agentserve.orchestrator.scheduler.queues import Queues
 from agentserve.orchestrator.scheduler.request import Phase, ReqState
@@ -119,6 +119,20 @@ class AgentServe(Policy):
         if not self.add_prefills(batch, q, Phase.COLD, budget, max_seqs=sc.max_prefill_seqs) and mode != "never":
             self.add_prefills(batch, q, Phase.RESUME, budget, admit_new=not starving)
         return budget, rung
+
+    def fill_preempting(self, batch: Batch, q: Queues, now: float, running: list[Entry],
+                        preempted: int) -> tuple[int, int] | None:
+        """Waiting resumes, to run inside the cold chunk in flight at its next layer boundary
+        (``preempt_cold_chunks``, with ``first``): a resume then waits for one layer of the chunk, not all of
+        it.  Once per chunk, so a flood of resumes delays a chunk by one resume step at most; never while the
+        next cold prefill starves."""
+        sc = self.config.scheduler
+        if (not sc.preempt_cold_chunks or sc.prefill_lane_resumes != "first" or preempted
+                or not any(req.phase is Phase.COLD for req, *_ in running) or self.starving(q, now)):
+            return None
+        if not self.add_prefills(batch, q, Phase.RESUME, sc.cold_chunk_tokens):
+            return None
+        return sc.cold_chunk_tokens, self.ladder.full  # the rung is the running plan's
 
     def ride_from(self, now: float, decoding: bool) -> float:
         """Resumes that arrived after this time wait for the prefill lane instead of riding in a decode step

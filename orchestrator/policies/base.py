@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from agentserve.orchestrator.scheduler.batch import Batch
+from agentserve.orchestrator.scheduler.batch import Batch, Entry
 from agentserve.orchestrator.scheduler.config import SchedulerConfig
 from agentserve.orchestrator.scheduler.queues import Queues
 from agentserve.orchestrator.scheduler.rungs import Ladder
@@ -41,6 +41,12 @@ class Policy:
 
     def fill(self, lane: Lane, batch: Batch, q: Queues, now: float, other_rung: int | None) -> tuple[int, int] | None:
         raise NotImplementedError
+
+    def fill_preempting(self, batch: Batch, q: Queues, now: float, running: list[Entry],
+                        preempted: int) -> tuple[int, int] | None:
+        """A plan to run inside the prefill lane's plan in flight (``running``: its entries; ``preempted``:
+        how many such plans it already ran), at its next layer boundary; ``None``: none (the default)."""
+        return None
 
     def stats(self) -> dict[str, object]:
         return {"policy": self.name, "rung": self.ladder.full}

@@ -29,6 +29,7 @@ class SchedCfg:
     decode_lookahead: int = 1
     prefill_lane_resumes: str = "first"
     resume_ride_after_ms: float = 150.0
+    preempt_cold_chunks: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,10 +106,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Inflight:
-    __slots__ = ("step", "rung", "entries", "sent")
+    __slots__ = ("step", "rung", "entries", "sent", "preempted")
 
     def __init__(self, step: int, rung: int, entries: list[Entry], sent: float) -> None:
         self.step, self.rung, self.entries, self.sent = step, rung, entries, sent
+        self.preempted = 0  # preempting plans sent to run inside this one
 
 
 class Scheduler:
@@ -139,6 +140,7 @@ class Scheduler:
         self.held: dict[str, SessionKV] = {}  # sessions holding blocks (pinned or in grace)
         self.next_expiry = math.inf
         self.lanes: dict[Lane, deque[Inflight]] = {lane: deque() for lane in self.policy.lanes}
+        self.preempting: deque[Inflight] = deque()  # a plan running inside the prefill lane's (at most one)
         self.lookahead = self.config.scheduler.decode_lookahead
         self.releases: list[int] = []
         self.seq_ids = itertools.count(1)
@@ -300,7 +302,7 @@ class Scheduler:
         """
         now = self.clock() if now is None else now
         events = []
-        for queue in self.lanes.values():
+        for queue in (*self.lanes.values(), self.preempting):
             if error.fatal:
                 failed = list(queue)
                 queue.clear()
@@ -337,7 +339,7 @@ class Scheduler:
         return not self.requests and self.idle_lanes()
 
     def idle_lanes(self) -> bool:
-        return not any(self.lanes.values())
+        return not any(self.lanes.values()) and not self.preempting
 
     # ---------------------------------------------------------------- batch host
     def admit(self, req: Request, batch: Batch) -> bool:
@@ -384,11 +386,21 @@ class Scheduler:
                 if plan is None:
                     break
                 plans.append(plan)
+        running = self.lanes.get(Lane.PREFILL)
+        if running is not None and len(running) == 1 and not self.preempting:
+            plan, lane_blocked = self._plan_lane(Lane.PREFILL, now, running[0])
+            blocked |= lane_blocked
+            if plan is not None:
+                plans.append(plan)
         return plans, blocked
 
-    def _plan_lane(self, lane: Lane, now: float) -> tuple[Plan | None, bool]:
+    def _plan_lane(self, lane: Lane, now: float, running: Inflight | None = None) -> tuple[Plan | None, bool]:
+        """The lane's next plan; with ``running`` (the prefill lane's plan in flight) a plan to run inside it."""
         batch = Batch(self, lane, self.policy.max_seqs(lane), now, self.kv.block_size)
-        decision = self.policy.fill(lane, batch, self.q, now, self._other_rung(lane))
+        if running is None:
+            decision = self.policy.fill(lane, batch, self.q, now, self._other_rung(lane))
+        else:
+            decision = self.policy.fill_preempting(batch, self.q, now, running.entries, running.preempted)
         if decision is None or not batch.seqs:
             return None, batch.blocked
         budget, rung = decision
@@ -396,9 +408,14 @@ class Scheduler:
         for req, _, _, decode in batch.entries:
             req.inflight += 1
             req.ahead += decode
-        self.lanes[lane].append(Inflight(step, rung, batch.entries, now))
+        if running is None:
+            self.lanes[lane].append(Inflight(step, rung, batch.entries, now))
+        else:
+            running.preempted += 1
+            self.preempting.append(Inflight(step, running.rung, batch.entries, now))
+            rung = running.rung
         self.counters["plans"] += 1
-        return Plan(step, lane, rung, budget, batch.seqs), batch.blocked
+        return Plan(step, lane, rung, budget, batch.seqs, preempt=running is not None), batch.blocked
 
     def _other_rung(self, lane: Lane) -> int | None:
         """The rung the other lane holds: the full rung if any of its queued plans is on it, else its last."""
@@ -409,6 +426,8 @@ class Scheduler:
 
     def _land(self, lane: Lane, step: int) -> Inflight | None:
         """The plan this result answers; None (logged) for a result of no plan we still track."""
+        if self.preempting and self.preempting[0].step == step and lane is Lane.PREFILL:
+            return self.preempting.popleft()  # it ran inside the lane's plan in flight, so it is back first
         queue = self.lanes.get(lane)
         if not queue or queue[0].step != step:
             log.error("result for step %d on lane %s, which has no such plan next: ignored", step, lane.name)

@@ -205,3 +205,53 @@ def test_a_step_of_a_few_tokens_runs_on_one_intra_op_thread(cpu: CpuCoresBackend
     assert threads_in_step(2, ONE_THREAD_MAX_TOKENS) == (1, 2)
     assert threads_in_step(2, ONE_THREAD_MAX_TOKENS + 1) == (2, 2)
     assert threads_in_step(1, 1) == (1, 1)
+
+
+def _layers(log: list[str], name: str, started: threading.Event, go: threading.Event, layers: int = 4):
+    """A step that crosses ``layers`` layer boundaries (as a model's forward does), logging each."""
+    from agentserve.executor.layer_hook import between_layers
+
+    def step(binding: LaneBinding) -> str:
+        for i in range(layers):
+            between_layers()
+            log.append(f"{name}{i}")
+            if i == 0:
+                started.set()
+                go.wait(10)
+        return name
+
+    return step
+
+
+def test_a_preempting_step_runs_inside_the_running_one_at_its_next_layer(cpu: CpuCoresBackend) -> None:
+    log: list[str] = []
+    started, go, never = threading.Event(), threading.Event(), threading.Event()
+    never.set()
+    with LaneWorker(cpu, Lane.PREFILL, rung=0) as lane:
+        chunk = lane.submit(_layers(log, "chunk", started, go))
+        queued = lane.submit(_layers(log, "queued", threading.Event(), never, layers=1))
+        started.wait(10)
+        resume = lane.submit(lambda b: log.append("resume") or "resume", preempt=True)
+        go.set()
+        assert [chunk.result(10), queued.result(10), resume.result(10)] == ["chunk", "queued", "resume"]
+        inner, outer = lane.timings[0], lane.timings[1]  # a step's timing is kept when it ends
+        assert outer.start <= inner.start and inner.end <= outer.end, "the resume's step ran inside the chunk's"
+    assert log == ["chunk0", "resume", "chunk1", "chunk2", "chunk3", "queued0"]
+
+
+def test_a_preempting_step_waits_for_its_markers_and_runs_alone_on_an_idle_lane(cpu: CpuCoresBackend) -> None:
+    log: list[str] = []
+    started, go, never = threading.Event(), threading.Event(), threading.Event()
+    never.set()
+    pending = Marker()
+    with LaneWorker(cpu, Lane.PREFILL, rung=0) as lane:
+        chunk = lane.submit(_layers(log, "chunk", started, go))
+        started.wait(10)
+        blocked = lane.submit(lambda b: log.append("blocked"), after=[pending], preempt=True)
+        go.set()
+        chunk.result(10)
+        pending.complete()
+        blocked.result(10)
+        alone = lane.submit(_layers(log, "alone", threading.Event(), never, layers=1), preempt=True)
+        assert alone.result(10) == "alone"
+    assert log == ["chunk0", "chunk1", "chunk2", "chunk3", "blocked", "alone0"]

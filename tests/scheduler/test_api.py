@@ -361,7 +361,7 @@ def test_a_resume_beside_a_cold_prefill_waits_for_the_prefill_lane_or_rides_in_d
     decoding agent; with ``first`` it waits for the prefill lane (ahead of the next cold chunk), unless
     that takes longer than ``resume_ride_after_ms``."""
     d = Driver()
-    _with_scheduler(d, prefill_lane_resumes=mode, resume_ride_after_ms=ride_after_ms)
+    _with_scheduler(d, prefill_lane_resumes=mode, resume_ride_after_ms=ride_after_ms, preempt_cold_chunks=False)
     decoding, cold = _decoding_beside_a_cold_prefill(d)
     resume = d.sched.submit(d.sched.open_session(), list(range(300, 360)), SamplingParams(max_tokens=5))
     arrived = d.now
@@ -389,8 +389,8 @@ def test_a_resume_beside_a_cold_prefill_waits_for_the_prefill_lane_or_rides_in_d
 def test_resumes_and_cold_chunks_take_turns_on_the_prefill_lane():
     """Resumes go before the next cold chunk, but never two resume steps running while a cold prefill
     waits: a stream of resumes cannot hold it back."""
-    d = Driver()
-    _with_scheduler(d, resume_ride_after_ms=1e6)  # resumes never ride: all of them take the prefill lane
+    d = Driver()  # resumes never ride (all of them take the prefill lane), and none enters a chunk in flight
+    _with_scheduler(d, resume_ride_after_ms=1e6, preempt_cold_chunks=False)
     _, cold = _decoding_beside_a_cold_prefill(d)
     resumes = set()
     kinds = []
@@ -409,6 +409,43 @@ def test_resumes_and_cold_chunks_take_turns_on_the_prefill_lane():
     assert "resume" in kinds and kinds.count("cold") >= 3000 // d.sched.config.scheduler.cold_chunk_tokens - 1
     assert all(not (a == b == "resume") for a, b in zip(kinds, kinds[1:], strict=False)), kinds
     d.sched.check()
+
+
+def test_a_resume_runs_inside_the_cold_chunk_in_flight_once_per_chunk():
+    """With ``preempt_cold_chunks`` the waiting resumes are sent at once, in one step, to run inside the cold
+    chunk holding the prefill lane (at its next layer boundary): their result comes back first and the
+    chunk's later; a resume arriving after that waits for the next prefill-lane step, so a chunk is delayed
+    by one resume step at most."""
+    d = Driver()
+    decoding, cold = _decoding_beside_a_cold_prefill(d)
+    chunk, chunk_end = d.exe.running[Lane.PREFILL].step, d.exe.running[Lane.PREFILL].t_end
+    sp = SamplingParams(max_tokens=3)
+    waiting = [d.sched.submit(d.sched.open_session(), list(range(k, k + 60)), sp) for k in (300, 400)]
+    plans = [p for p in d.pump() if p.lane is Lane.PREFILL]
+    assert [([s.seq_id for s in p.seqs], p.preempt) for p in plans] == [(waiting, True)]
+    assert d.exe.running[Lane.PREFILL].t_end > chunk_end, "the chunk ends later by the resumes' step"
+    late = d.sched.submit(d.sched.open_session(), list(range(500, 560)), sp)
+    landed = []  # prefill-lane steps, in the order their results land
+    while chunk not in landed:
+        d.pending.sort(key=lambda r: r.t_end)
+        landed += [d.pending[0].step] if d.pending[0].lane is Lane.PREFILL else []
+        d.land()
+        assert not any(p.preempt for p in d.pump() if late in {s.seq_id for s in p.seqs}), "once per chunk"
+    assert landed == [plans[0].step, chunk]
+    for seq in (*waiting, late, cold, decoding):
+        d.until_finished(seq)
+    d.sched.check()
+
+
+@pytest.mark.parametrize("changes", [{"preempt_cold_chunks": False}, {"prefill_lane_resumes": "idle"}])
+def test_no_resume_enters_a_chunk_in_flight_when_preemption_is_off(changes):
+    d = Driver()
+    _with_scheduler(d, **changes)
+    _decoding_beside_a_cold_prefill(d)
+    d.sched.submit(d.sched.open_session(), list(range(300, 360)), SamplingParams(max_tokens=3))
+    for _ in range(30):
+        assert not any(p.preempt for p in d.pump())
+        d.land()
 
 
 def test_end_turn_while_in_flight_applies_when_the_step_returns():

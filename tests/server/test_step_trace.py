@@ -65,6 +65,17 @@ def test_summary_groups_decode_steps_by_what_ran_beside_them() -> None:
     assert any("long steps: 1, median 500 ms" in r for r in rows)
 
 
+def test_summary_sees_a_chunk_around_a_preempting_step_that_ended_earlier() -> None:
+    def step(lane, start, ms, decode=0, prefill=0):
+        return {"lane": lane, "rung": 0, "start": start, "end": start + ms / 1e3, "ms": ms,
+                "gap_ms": 0.5, "decode_seqs": decode, "prefill_tokens": prefill}
+
+    steps = [step("prefill", 0.0, 400, prefill=256), step("prefill", 0.05, 50, prefill=56),  # a resume inside
+             step("decode", 0.2, 10, decode=1)]  # after the resume ended, while the chunk still runs
+    rows = _summary_module().summarise(steps)
+    assert any(r.split()[:4] == ["0", "1", "-", "long"] for r in rows[1:])
+
+
 def test_a_failing_trace_write_stops_the_trace_not_the_server(caplog) -> None:
     from agentserve.protocol.lanes import Lane
     from agentserve.protocol.ring_messages import Result

@@ -6,6 +6,10 @@ prefill lane); on an unpartitioned rung both lanes see the whole device, and a s
 while the other lane is busy is slower: decode, which has priority there, ``decode_shared_slowdown``
 times; prefill, which gets what decode leaves, ``shared_slowdown`` times.
 
+A preempting plan (``Plan.preempt``) runs at once inside the prefill lane's step in flight when it ends
+before that step would: its own result comes back first and the running step's ``t_end`` (the Result
+object already returned) moves later by its duration; otherwise it runs after, as a plain plan would.
+
 Checks, the executor's half of the wire contract: a new sequence comes with its sampling
 parameters; every position fed lies in the sequence's block table; the KV it attends to (positions
 before ``start_pos``, possibly written by *other* sequences through shared prefix blocks) holds
@@ -98,6 +102,7 @@ class FakeExecutor:
         self.users: dict[int, set[int]] = {}
         self.busy_until = {Lane.DECODE: 0.0, Lane.PREFILL: 0.0}
         self.busy_rung = {Lane.DECODE: -1, Lane.PREFILL: -1}
+        self.running: dict[Lane, Result | None] = {Lane.DECODE: None, Lane.PREFILL: None}  # each lane's last step
         self.overlaps = 0  # steps started on a shared rung while the other lane was busy
 
     def release(self, msg: Release) -> None:
@@ -120,11 +125,18 @@ class FakeExecutor:
 
     def run(self, plan: Plan, now: float) -> Result:
         """Execute ``plan`` when its lane is free (plans of one lane run in order); ``t_end`` says when."""
+        inside = self.running[plan.lane] if plan.preempt else None
         start = max(now, self.busy_until[plan.lane])
-        dt = self.duration(plan, start)
-        self.busy_until[plan.lane], self.busy_rung[plan.lane] = start + dt, plan.rung
+        dt = self.duration(plan, now if inside is not None else start)
         out = [r for r in (self._feed(s) for s in plan.seqs) if r is not None]
-        return Result(step=plan.step, lane=plan.lane, rung=plan.rung, seqs=out, t_start=start, t_end=start + dt)
+        if inside is not None and now + dt < inside.t_end:  # at the running step's next layer boundary
+            inside.t_end += dt
+            self.busy_until[plan.lane] += dt
+            return Result(step=plan.step, lane=plan.lane, rung=plan.rung, seqs=out, t_start=now, t_end=now + dt)
+        self.busy_until[plan.lane], self.busy_rung[plan.lane] = start + dt, plan.rung
+        result = Result(step=plan.step, lane=plan.lane, rung=plan.rung, seqs=out, t_start=start, t_end=start + dt)
+        self.running[plan.lane] = result
+        return result
 
     def _feed(self, sp) -> SeqResult | None:
         seq = self.seqs.get(sp.seq_id)

@@ -116,6 +116,9 @@ class Sim:
             self._push(agent.start, "turn", i)
         while self.heap:
             t, _, kind, data = heapq.heappop(self.heap)
+            if kind == "result" and data.t_end > t:  # type: ignore[attr-defined]
+                self._push(data.t_end, kind, data)  # type: ignore[attr-defined]  # a plan ran inside it: later
+                continue
             if t > self.max_time:
                 raise Deadlock(f"simulation passed {self.max_time}s with work left")
             self.now = t
