@@ -11,11 +11,13 @@ A :class:`LaneWorker` knows nothing of rings or models: the executor submits *st
   prefill lane is ordered before its first decode on the decode lane without a host sync.
 - Every step records the idle gap before it (time since the lane's previous step ended), the time
   spent waiting on markers, and its own duration.
-- A step submitted with ``preempt=True`` runs at the next layer boundary of the step this lane is
-  running, inside it (:meth:`LaneWorker.run_preempting`, called from the model's layer hook), once the
-  markers it waits on are complete — else in its turn, ahead of the steps queued before it.  So a
-  resume sent ahead of a cold chunk in flight waits for one layer of the chunk, not all of it; its
-  result comes back before the chunk's.
+- A step submitted with ``preempt=True`` runs, on a backend whose steps run on the host (CPU cores),
+  between two layers of the step this lane is running, inside it (:meth:`LaneWorker.run_preempting`,
+  called from the model's layer hook) once the markers it waits on are complete; otherwise (not ready
+  yet, no layer boundary left, a GPU — whose host queues a step's layers long before they run, and whose
+  attention plans are per thread) in its turn, as a plain step.  So on a
+  CPU a resume sent ahead of a cold chunk in flight waits for about one layer of the chunk, not all of it,
+  and its result comes back before the chunk's.
 """
 
 from __future__ import annotations
@@ -130,7 +132,15 @@ class _Item:
 
 
 _STOP = object()
-_PREEMPTING = object()  # queued for each preempting step: run the oldest one left, if it did not run inside a step
+
+
+class _Preempting:
+    """What the queue holds for a preempting step: run it in its turn unless it already ran inside a step."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: _Item) -> None:
+        self.item = item
 
 
 class LaneWorker:
@@ -179,20 +189,27 @@ class LaneWorker:
                 raise RuntimeError(f"{self._thread.name} is stopped")
             if preempt:
                 self._preempting.append(item)
-            self._queue.put(_PREEMPTING if preempt else item)
+            self._queue.put(_Preempting(item) if preempt else item)
         return step
 
     def run_preempting(self) -> None:
-        """Run the preempting steps whose markers are complete, inside the running step (lane thread only)."""
+        """Run the preempting steps, oldest first, inside the running step, up to the first whose markers are
+        not complete (lane thread only; the model's layer hook calls it between layers)."""
         if not self._preempting:  # the common case, once per layer: no lock
             return
-        while (item := self._take_preempting(ready_only=True)) is not None:
+        while (item := self._take_preempting()) is not None:
             with layer_callback(None):  # one level: a preempting step is not preempted in turn
                 self._last_end = self._step(item, self._binding, self._last_end)
 
-    def _take_preempting(self, ready_only: bool) -> _Item | None:
+    def _take_preempting(self, item: _Item | None = None) -> _Item | None:
+        """``item`` if it has not run yet (its turn in the queue); else the oldest one if its markers are done."""
         with self._submit_lock:
-            if not self._preempting or (ready_only and not all(m.done() for m in self._preempting[0].after)):
+            if item is not None:
+                if item not in self._preempting:
+                    return None
+                self._preempting.remove(item)
+                return item
+            if not self._preempting or not all(m.done() for m in self._preempting[0].after):
                 return None
             return self._preempting.popleft()
 
@@ -233,7 +250,7 @@ class LaneWorker:
         self._last_end = time.monotonic()
         try:
             while (item := self._queue.get()) is not _STOP:
-                if item is _PREEMPTING and (item := self._take_preempting(ready_only=False)) is None:
+                if isinstance(item, _Preempting) and (item := self._take_preempting(item.item)) is None:
                     continue  # it ran inside an earlier step
                 if item.rung is not None:
                     self._want_rung = item.rung
@@ -245,7 +262,7 @@ class LaneWorker:
                     except BaseException as e:
                         self._fail(item, e)
                         continue
-                with layer_callback(self.run_preempting):
+                with layer_callback(self.run_preempting if self.backend.unit == "cores" else None):
                     self._last_end = self._step(item, binding, self._last_end)
         finally:
             stack.close()

@@ -1,8 +1,8 @@
 """A callback a lane thread runs between the layers of its forward passes.
 
-The prefill lane sets one for each step: it runs a *preempting* step (a resume sent ahead of the cold chunk
-in flight, :attr:`~agentserve.protocol.ring_messages.Plan.preempt`) at the next layer boundary of the chunk,
-inside it (:meth:`~agentserve.executor.lanes.LaneWorker.run_preempting`).  Thread-local, so another lane's
+On CPU cores a lane sets one for each step: it runs a *preempting* step (a resume sent ahead of the cold
+chunk in flight, :attr:`~agentserve.protocol.ring_messages.Plan.preempt`) at the next layer boundary of the
+chunk, inside it (:meth:`~agentserve.executor.lanes.LaneWorker.run_preempting`).  Thread-local, so another lane's
 forward never sees it; with none set the hook costs one attribute lookup per layer.
 """
 
@@ -16,7 +16,7 @@ _local = threading.local()
 
 
 def between_layers() -> None:
-    """Run this thread's callback, if one is set (the model calls this before every layer)."""
+    """Run this thread's callback, if one is set (the model calls this between its layers)."""
     fn = getattr(_local, "fn", None)
     if fn is not None:
         fn()

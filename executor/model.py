@@ -137,7 +137,8 @@ class DecoderModel:
         x = F.embedding(input_ids, self.embed).to(self.dtype)
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
-            between_layers()  # a preempting step may run here, between this forward's layers
+            if i:
+                between_layers()  # a preempting step may run here, once this forward has done a layer
             x = x + self._attention(
                 layer,
                 rms_norm(x, layer.input_norm, self.config.rms_norm_eps),

@@ -52,8 +52,8 @@ class Plan(WireStruct, tag="plan"):
     rung: int  # context index: which partition rung the lane runs on
     token_budget: int
     seqs: list[SeqPlan]
-    # run inside the step the lane is running, at its next layer boundary (a resume sent ahead of a cold
-    # chunk in flight); its Result then comes back before that step's
+    # on CPU cores, run inside the step the lane is running, at its next layer boundary (a resume sent ahead
+    # of a cold chunk in flight): its Result then comes back before that step's; else in its turn
     preempt: bool = False
 
 

@@ -150,14 +150,16 @@ class CpuCoresBackend(PartitionBackend):
     @contextmanager
     def step_scope(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
         """One intra-op thread for a step of at most ``ONE_THREAD_MAX_TOKENS`` tokens, the binding's count otherwise."""
-        if binding.threads <= 1 or num_tokens > ONE_THREAD_MAX_TOKENS:
+        want = 1 if num_tokens <= ONE_THREAD_MAX_TOKENS else max(1, binding.threads)
+        before = torch.get_num_threads()  # the binding's, or a running step's when this one runs inside it
+        if want == before:
             yield
             return
-        torch.set_num_threads(1)
+        torch.set_num_threads(want)
         try:
             yield
         finally:
-            torch.set_num_threads(binding.threads)
+            torch.set_num_threads(before)
 
     def _release(self) -> None:
         """Nothing to free: bindings restore their thread's mask and thread count on exit."""

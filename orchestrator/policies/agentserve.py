@@ -123,15 +123,17 @@ class AgentServe(Policy):
     def fill_preempting(self, batch: Batch, q: Queues, now: float, running: list[Entry],
                         preempted: int) -> tuple[int, int] | None:
         """Waiting resumes, to run inside the cold chunk in flight at its next layer boundary
-        (``preempt_cold_chunks``, with ``first``): a resume then waits for one layer of the chunk, not all of
-        it.  Once per chunk, so a flood of resumes delays a chunk by one resume step at most; never while the
-        next cold prefill starves."""
+        (``preempt_cold_chunks``, with ``first``): on a CPU a resume then waits for about one layer of the
+        chunk, not all of it.  Once per chunk, and it counts as the lane's resume turn (the next prefill-lane
+        step is a cold chunk), so a flood of resumes still leaves cold prefills every other turn; never while
+        the next cold prefill starves."""
         sc = self.config.scheduler
         if (not sc.preempt_cold_chunks or sc.prefill_lane_resumes != "first" or preempted
                 or not any(req.phase is Phase.COLD for req, *_ in running) or self.starving(q, now)):
             return None
         if not self.add_prefills(batch, q, Phase.RESUME, sc.cold_chunk_tokens):
             return None
+        self.resumes_ran_last = True
         return sc.cold_chunk_tokens, self.ladder.full  # the rung is the running plan's
 
     def ride_from(self, now: float, decoding: bool) -> float:

@@ -387,7 +387,8 @@ class Scheduler:
                     break
                 plans.append(plan)
         running = self.lanes.get(Lane.PREFILL)
-        if running is not None and len(running) == 1 and not self.preempting:
+        sent_now = any(p.lane is Lane.PREFILL for p in plans if isinstance(p, Plan))
+        if running is not None and len(running) == 1 and not self.preempting and not sent_now:
             plan, lane_blocked = self._plan_lane(Lane.PREFILL, now, running[0])
             blocked |= lane_blocked
             if plan is not None:
@@ -420,6 +421,8 @@ class Scheduler:
     def _other_rung(self, lane: Lane) -> int | None:
         """The rung the other lane holds: the full rung if any of its queued plans is on it, else its last."""
         rungs = [p.rung for k, q in self.lanes.items() if k is not lane for p in q]
+        if lane is not Lane.PREFILL:
+            rungs += [p.rung for p in self.preempting]  # it holds the prefill lane's rung until it is back
         if not rungs:
             return None
         return self.ladder.full if self.ladder.full in rungs else rungs[-1]
@@ -612,7 +615,8 @@ class Scheduler:
             "queues": self.q.counts(),
             "sessions": len(self.sessions),
             "sessions_in_tool": in_tool,
-            "lanes_busy": {lane.name.lower(): bool(q) for lane, q in self.lanes.items()},
+            "lanes_busy": {lane.name.lower(): bool(q) or (lane is Lane.PREFILL and bool(self.preempting))
+                           for lane, q in self.lanes.items()},
             "kv": {
                 "blocks": pool.num_blocks,
                 "used": pool.num_used(),

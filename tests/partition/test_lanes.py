@@ -223,17 +223,24 @@ def _layers(log: list[str], name: str, started: threading.Event, go: threading.E
     return step
 
 
-def test_a_preempting_step_runs_inside_the_running_one_at_its_next_layer(cpu: CpuCoresBackend) -> None:
+def _preempt_a_chunk(lane: LaneWorker) -> list[str]:
+    """A 4-layer chunk, a plain step queued behind it, and a preempting step sent while the chunk's first
+    layer runs; returns the order in which their layers ran."""
     log: list[str] = []
     started, go, never = threading.Event(), threading.Event(), threading.Event()
     never.set()
+    chunk = lane.submit(_layers(log, "chunk", started, go))
+    queued = lane.submit(_layers(log, "queued", threading.Event(), never, layers=1))
+    started.wait(10)
+    resume = lane.submit(lambda b: log.append("resume") or "resume", preempt=True)
+    go.set()
+    assert [chunk.result(10), queued.result(10), resume.result(10)] == ["chunk", "queued", "resume"]
+    return log
+
+
+def test_a_preempting_step_runs_inside_the_running_one_at_its_next_layer(cpu: CpuCoresBackend) -> None:
     with LaneWorker(cpu, Lane.PREFILL, rung=0) as lane:
-        chunk = lane.submit(_layers(log, "chunk", started, go))
-        queued = lane.submit(_layers(log, "queued", threading.Event(), never, layers=1))
-        started.wait(10)
-        resume = lane.submit(lambda b: log.append("resume") or "resume", preempt=True)
-        go.set()
-        assert [chunk.result(10), queued.result(10), resume.result(10)] == ["chunk", "queued", "resume"]
+        log = _preempt_a_chunk(lane)
         inner, outer = lane.timings[0], lane.timings[1]  # a step's timing is kept when it ends
         assert outer.start <= inner.start and inner.end <= outer.end, "the resume's step ran inside the chunk's"
     assert log == ["chunk0", "resume", "chunk1", "chunk2", "chunk3", "queued0"]
@@ -255,3 +262,14 @@ def test_a_preempting_step_waits_for_its_markers_and_runs_alone_on_an_idle_lane(
         alone = lane.submit(_layers(log, "alone", threading.Event(), never, layers=1), preempt=True)
         assert alone.result(10) == "alone"
     assert log == ["chunk0", "chunk1", "chunk2", "chunk3", "blocked", "alone0"]
+
+
+def test_on_a_gpu_a_preempting_step_runs_in_its_turn_not_inside() -> None:
+    """A GPU's host queues a step's layers long before they run (and attention plans are per thread), so
+    there a preempting step runs in its turn, as a plain step."""
+    gpu = Gpu(132, (9, 0))
+    backend = GreenCtxBackend(gpu.drv, gpu.cuda)
+    with LaneWorker(backend, Lane.PREFILL, rung=1) as lane:
+        log = _preempt_a_chunk(lane)
+    backend.close()
+    assert log == ["chunk0", "chunk1", "chunk2", "chunk3", "queued0", "resume"]

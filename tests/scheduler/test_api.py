@@ -386,11 +386,12 @@ def test_a_resume_beside_a_cold_prefill_waits_for_the_prefill_lane_or_rides_in_d
     d.sched.check()
 
 
-def test_resumes_and_cold_chunks_take_turns_on_the_prefill_lane():
-    """Resumes go before the next cold chunk, but never two resume steps running while a cold prefill
-    waits: a stream of resumes cannot hold it back."""
-    d = Driver()  # resumes never ride (all of them take the prefill lane), and none enters a chunk in flight
-    _with_scheduler(d, resume_ride_after_ms=1e6, preempt_cold_chunks=False)
+@pytest.mark.parametrize("preempt", [False, True])
+def test_resumes_and_cold_chunks_take_turns_on_the_prefill_lane(preempt):
+    """Resumes go before the next cold chunk, but never two resume turns running while a cold prefill waits
+    (a resume step entering a chunk counts as one): a stream of resumes cannot hold it back."""
+    d = Driver()  # resumes never ride: all of them take the prefill lane
+    _with_scheduler(d, resume_ride_after_ms=1e6, preempt_cold_chunks=preempt)
     _, cold = _decoding_beside_a_cold_prefill(d)
     resumes = set()
     kinds = []
@@ -403,11 +404,14 @@ def test_resumes_and_cold_chunks_take_turns_on_the_prefill_lane():
             if p.lane is Lane.PREFILL:
                 ids = {s.seq_id for s in p.seqs}
                 assert ids <= resumes or ids == {cold}, "a step is resumes only or the cold chunk only"
-                kinds.append("cold" if cold in ids else "resume")
+                assert not (p.preempt and kinds and kinds[-1] != "cold"), "only a chunk sent before is entered"
+                kinds.append("cold" if cold in ids else "preempt" if p.preempt else "resume")
         if d.sched.requests.get(cold) is None or d.sched.requests[cold].num_computed >= 3000:
             break
-    assert "resume" in kinds and kinds.count("cold") >= 3000 // d.sched.config.scheduler.cold_chunk_tokens - 1
-    assert all(not (a == b == "resume") for a, b in zip(kinds, kinds[1:], strict=False)), kinds
+    turns = ["resume" if k == "preempt" else k for k in kinds]
+    assert "resume" in turns and kinds.count("cold") >= 3000 // d.sched.config.scheduler.cold_chunk_tokens - 1
+    assert ("preempt" in kinds) == preempt
+    assert all(not (a == b == "resume") for a, b in zip(turns, turns[1:], strict=False)), kinds
     d.sched.check()
 
 
@@ -434,6 +438,26 @@ def test_a_resume_runs_inside_the_cold_chunk_in_flight_once_per_chunk():
     assert landed == [plans[0].step, chunk]
     for seq in (*waiting, late, cold, decoding):
         d.until_finished(seq)
+    d.sched.check()
+
+
+def test_a_preempting_plan_back_after_its_chunk_still_holds_the_prefill_lane():
+    """The chunk may end before the preempting plan reaches the executor, which then runs it next: until its
+    result is back the decode lane still sees the prefill lane busy on that rung."""
+    d = Driver()
+    _decoding_beside_a_cold_prefill(d)
+    d.sched.submit(d.sched.open_session(), list(range(300, 360)), SamplingParams(max_tokens=3))
+    (entering,) = [p for p in d.pump() if p.preempt]
+    d.pending.sort(key=lambda r: r.t_end)
+    chunk = next(r for r in d.pending if r.lane is Lane.PREFILL and r.step != entering.step)
+    d.pending.remove(chunk)
+    d.events += d.sched.on_result(chunk, d.now)  # the chunk's result first
+    assert not d.sched.lanes[Lane.PREFILL] and d.sched.preempting
+    assert d.sched._other_rung(Lane.DECODE) == entering.rung
+    assert d.sched.stats(d.now)["lanes_busy"]["prefill"]
+    while any(r.step == entering.step for r in d.pending):
+        d.land()
+    assert not d.sched.preempting
     d.sched.check()
 
 
