@@ -37,7 +37,7 @@ from agentserve.orchestrator.scheduler.batch import Batch, Entry
 from agentserve.orchestrator.scheduler.config import SchedulerConfig
 from agentserve.orchestrator.scheduler.queues import Queues
 from agentserve.orchestrator.scheduler.request import Phase, ReqState
-from agentserve.orchestrator.scheduler.rungs import Ladder
+from agentserve.orchestrator.scheduler.rungs import Ladder, full_rung_allowed
 from agentserve.orchestrator.scheduler.window import Window
 from agentserve.protocol.lanes import Lane
 
@@ -54,11 +54,7 @@ class AgentServe(Policy):
         self.ctl = TpotController(config.controller, config.slo, self.control_ladder(), self.feedback)
         self.guard_pos = ladder.highest_below(1.0 - config.guard.min_prefill_share)
         self.resumes_ran_last = False  # the prefill lane's last step was resumes only
-        setting = config.scheduler.decode_full_rung_when_idle
-        # auto: on SMs only.  On CPU cores a prefill step beside decode on the full rung runs at SCHED_IDLE, behind
-        # every runnable thread of the machine (orchestrator, clients), and a resume there took 1.4x as long as on a
-        # core of its own while decode gained nothing (docs/scheduler.md)
-        self.full_rung_when_idle = setting == "always" or (setting == "auto" and ladder.unit == "SMs")
+        self.full_rung_when_idle = full_rung_allowed(config.scheduler.decode_full_rung_when_idle, ladder.unit)
 
     def control_ladder(self) -> Ladder:
         return self.ladder

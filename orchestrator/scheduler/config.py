@@ -15,7 +15,7 @@ from agentserve import configs
 from agentserve.configs import ConfigError
 
 PREFILL_LANE_RESUMES = ("first", "idle", "never")  # when AgentServe's prefill lane takes resumes
-DECODE_FULL_RUNG = ("auto", "always", "never")  # whether AgentServe's decode takes the full rung with no cold prefill
+DECODE_FULL_RUNG = ("auto", "always", "never")  # whether AgentServe's decode may take the full rung beside prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,7 @@ class ControllerCfg:
     r_min_init_share: float = 0.5
     r_min_lo_share: float = 0.2
     r_min_hi_share: float = 1.0
+    full_rung_on_top: str = "auto"
     period_s: float = 0.25
     window_s: float = 1.0
     min_samples: int = 8
@@ -145,6 +146,7 @@ class SchedulerConfig:
             (self.scheduler.resume_ride_after_ms >= 0, "resume_ride_after_ms >= 0"),
             (self.scheduler.decode_full_rung_when_idle in DECODE_FULL_RUNG,
              f"decode_full_rung_when_idle in {DECODE_FULL_RUNG}"),
+            (c.full_rung_on_top in DECODE_FULL_RUNG, f"full_rung_on_top in {DECODE_FULL_RUNG}"),
             (self.chunked.token_budget > 0 and self.llamacpp.n_batch > 0, "token budgets > 0"),
             (self.llamacpp.n_slots > 0, "n_slots > 0"),
         ]

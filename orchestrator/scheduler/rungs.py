@@ -8,6 +8,11 @@ the full rung on top: the 100 % slot, where decode has first claim on the whole 
 prefill lane runs beside it at low priority (a low-priority stream; ``SCHED_IDLE`` threads on a
 CPU).  A ladder without split rungs (no partitioning backend) gives a single control rung, the
 full one: the rung action is then a no-op.
+
+Whether decode may take the full rung beside a running prefill is a setting (``always | never | auto``):
+``auto`` allows it on SMs only.  On CPU cores the prefill lane's threads beside decode run at ``SCHED_IDLE``,
+behind every runnable thread of the machine (the orchestrator, the clients), so a resume or a cold chunk
+there crawls while decode, whose short steps run on one thread, gains nothing (docs/scheduler.md).
 """
 
 from __future__ import annotations
@@ -15,8 +20,15 @@ from __future__ import annotations
 from agentserve.protocol.lanes import Rung
 
 
+def full_rung_allowed(setting: str, unit: str) -> bool:
+    """Whether decode may take the full rung beside prefill: ``always``, ``never``, or ``auto`` (on SMs only)."""
+    return setting == "always" or (setting == "auto" and unit == "SMs")
+
+
 class Ladder:
-    def __init__(self, rungs: list[Rung], lo_share: float = 0.0, hi_share: float = 1.0, unit: str = "SMs") -> None:
+    def __init__(self, rungs: list[Rung], lo_share: float = 0.0, hi_share: float = 1.0, unit: str = "SMs",
+                 full_on_top: bool = True) -> None:
+        """``full_on_top``: with ``hi_share`` 1.0, the full rung tops the control rungs."""
         if not rungs:
             raise ValueError("the executor reported an empty ladder")
         self.rungs = {r.index: r for r in rungs}
@@ -31,7 +43,7 @@ class Ladder:
         )
         # no split rung within the bounds: all of them (bounds narrower than the ladder's steps)
         control = [r for r in split if lo_share - 1e-9 <= self.share(r.index) <= hi_share + 1e-9] or split
-        if hi_share >= 1.0 - 1e-9:
+        if hi_share >= 1.0 - 1e-9 and full_on_top:
             control.append(self.rungs[self.full])
         self.control = [r.index for r in control] or [self.full]
 

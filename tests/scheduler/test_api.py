@@ -336,6 +336,28 @@ def test_decode_full_rung_setting_is_validated():
         load_config(overrides={"scheduler": {"decode_full_rung_when_idle": "sometimes"}})
 
 
+@pytest.mark.parametrize(
+    ("backend", "setting", "on_top"),
+    [("fake", "auto", True), (CPU_CORES_BACKEND, "auto", False), (CPU_CORES_BACKEND, "always", True),
+     ("fake", "never", False)],
+)
+def test_the_full_rung_tops_the_controllers_ladder_on_sms_only_by_default(backend, setting, on_top):
+    """auto: a tightening controller may give a GPU's decode every SM; on CPU cores its decode reserve stays on
+    the partitioned rungs, where each lane keeps its own cores at normal priority."""
+    base = SchedulerConfig()
+    config = dataclasses.replace(base, controller=dataclasses.replace(base.controller, full_rung_on_top=setting))
+    sched = Scheduler("agentserve", ready(256, BS, backend=backend), config)
+    ladder, ctl = sched.ladder, sched.policy.ctl
+    assert ladder.partitioned and (ladder.control[ctl.top] == ladder.full) is on_top
+    assert all(ladder.rungs[i].partitioned for i in ladder.control[:-1])
+    assert ladder.full not in ladder.control[:-1]
+
+
+def test_full_rung_on_top_setting_is_validated():
+    with pytest.raises(ConfigError, match="full_rung_on_top"):
+        load_config(overrides={"controller": {"full_rung_on_top": "sometimes"}})
+
+
 def _decoding_beside_a_cold_prefill(d: Driver) -> tuple[int, int]:
     """One request decoding, a 3000-token cold prefill's first chunk on the prefill lane."""
     sp = SamplingParams(max_tokens=200, ignore_eos=True)

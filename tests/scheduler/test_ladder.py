@@ -37,6 +37,8 @@ def test_two_core_cpu_ladder_from_the_executor():
     assert lad.control == [*split, lad.full]
     policy = make_policy("agentserve", SchedulerConfig(), lad)
     assert policy.ctl.rung in lad.control
+    own_cores = Ladder(rungs, CC.r_min_lo_share, CC.r_min_hi_share, "cores", full_on_top=False)
+    assert own_cores.control == split and own_cores.partitioned, "the controller's reserve stays on 1+1 cores"
 
 
 def test_unpartitioned_backend_gives_a_single_rung_and_a_no_op_rung_action():
