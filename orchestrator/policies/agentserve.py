@@ -37,7 +37,7 @@ from agentserve.orchestrator.scheduler.batch import Batch, Entry
 from agentserve.orchestrator.scheduler.config import SchedulerConfig
 from agentserve.orchestrator.scheduler.queues import Queues
 from agentserve.orchestrator.scheduler.request import Phase, ReqState
-from agentserve.orchestrator.scheduler.rungs import Ladder, full_rung_allowed
+from agentserve.orchestrator.scheduler.rungs import Ladder, allowed_here
 from agentserve.orchestrator.scheduler.window import Window
 from agentserve.protocol.lanes import Lane
 
@@ -51,10 +51,11 @@ class AgentServe(Policy):
 
     def __init__(self, config: SchedulerConfig, ladder: Ladder) -> None:
         super().__init__(config, ladder)
-        self.ctl = TpotController(config.controller, config.slo, self.control_ladder(), self.feedback)
+        self.ctl = TpotController(config.controller, config.slo, self.control_ladder(), self.feedback,
+                                  allowed_here(config.controller.shrink_b_prefill, ladder.unit))
         self.guard_pos = ladder.highest_below(1.0 - config.guard.min_prefill_share)
         self.resumes_ran_last = False  # the prefill lane's last step was resumes only
-        self.full_rung_when_idle = full_rung_allowed(config.scheduler.decode_full_rung_when_idle, ladder.unit)
+        self.full_rung_when_idle = allowed_here(config.scheduler.decode_full_rung_when_idle, ladder.unit)
 
     def control_ladder(self) -> Ladder:
         return self.ladder

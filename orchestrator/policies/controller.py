@@ -46,8 +46,12 @@ class Action(enum.IntEnum):
 
 
 class TpotController:
-    def __init__(self, cfg: ControllerCfg, slo: SloCfg, ladder: Ladder, enabled: bool = True) -> None:
+    def __init__(self, cfg: ControllerCfg, slo: SloCfg, ladder: Ladder, enabled: bool = True,
+                 shrink_below_init: bool = True) -> None:
+        """``shrink_below_init``: tightening may take ``B`` down to ``b_prefill_min``; else not below
+        ``b_prefill_init`` (the value a controller-less policy holds)."""
         self.cfg, self.slo, self.ladder, self.enabled = cfg, slo, ladder, enabled
+        self.b_floor = cfg.b_prefill_min if shrink_below_init else cfg.b_prefill_init
         self.b_prefill = cfg.b_prefill_init
         self.pos = ladder.nearest(cfg.r_min_init_share)
         self.top = len(ladder.control) - 1
@@ -110,9 +114,9 @@ class TpotController:
         self.bad_probes = self.bad_probes + 1 if undo else 0
         if undo:
             self.hold_until = self.periods + cfg.probe_hold_periods * 2 ** min(self.bad_probes - 1, 10)
-            self.b_cap = max(cfg.b_prefill_min, self.b_prefill - cfg.b_prefill_add)
+            self.b_cap = max(self.b_floor, self.b_prefill - cfg.b_prefill_add)
             self.pos_floor = min(self.pos + 1, self.top)
-        b = max(cfg.b_prefill_min, int(self.b_prefill * cfg.b_prefill_mult))
+        b = max(self.b_floor, int(self.b_prefill * cfg.b_prefill_mult))
         pos = min(self.pos + 1, self.top)
         return self._apply(b, pos, Action.TIGHTEN)
 

@@ -55,6 +55,7 @@ class ControllerCfg:
     r_min_lo_share: float = 0.2
     r_min_hi_share: float = 1.0
     full_rung_on_top: str = "auto"
+    shrink_b_prefill: str = "auto"
     period_s: float = 0.25
     window_s: float = 1.0
     min_samples: int = 8
@@ -147,6 +148,7 @@ class SchedulerConfig:
             (self.scheduler.decode_full_rung_when_idle in DECODE_FULL_RUNG,
              f"decode_full_rung_when_idle in {DECODE_FULL_RUNG}"),
             (c.full_rung_on_top in DECODE_FULL_RUNG, f"full_rung_on_top in {DECODE_FULL_RUNG}"),
+            (c.shrink_b_prefill in DECODE_FULL_RUNG, f"shrink_b_prefill in {DECODE_FULL_RUNG}"),
             (self.chunked.token_budget > 0 and self.llamacpp.n_batch > 0, "token budgets > 0"),
             (self.llamacpp.n_slots > 0, "n_slots > 0"),
         ]

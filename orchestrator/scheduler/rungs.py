@@ -20,8 +20,9 @@ from __future__ import annotations
 from agentserve.protocol.lanes import Rung
 
 
-def full_rung_allowed(setting: str, unit: str) -> bool:
-    """Whether decode may take the full rung beside prefill: ``always``, ``never``, or ``auto`` (on SMs only)."""
+def allowed_here(setting: str, unit: str) -> bool:
+    """An ``always | never | auto`` setting on a device counting ``unit``: ``auto`` allows on SMs only (the
+    full rung beside prefill, shrinking the resume budget: both measured to cost on CPU cores)."""
     return setting == "always" or (setting == "auto" and unit == "SMs")
 
 

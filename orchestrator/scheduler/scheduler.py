@@ -66,7 +66,7 @@ from agentserve.orchestrator.scheduler.events import SeqEvent
 from agentserve.orchestrator.scheduler.kv_manager import Admit, KVManager
 from agentserve.orchestrator.scheduler.queues import Queues
 from agentserve.orchestrator.scheduler.request import Phase, ReqState, Request
-from agentserve.orchestrator.scheduler.rungs import Ladder, full_rung_allowed
+from agentserve.orchestrator.scheduler.rungs import Ladder, allowed_here
 from agentserve.orchestrator.scheduler.session_kv import SessionKV, tool_ttl
 from agentserve.orchestrator.scheduler.window import Window
 from agentserve.protocol.lanes import Lane, backend_unit
@@ -128,7 +128,7 @@ class Scheduler:
         cc = self.config.controller
         unit = backend_unit(ready.backend)
         self.ladder = Ladder(ready.ladder, cc.r_min_lo_share, cc.r_min_hi_share, unit,
-                             full_on_top=full_rung_allowed(cc.full_rung_on_top, unit))
+                             full_on_top=allowed_here(cc.full_rung_on_top, unit))
         self.policy = make_policy(policy, self.config, self.ladder) if isinstance(policy, str) else policy
         self.kv = KVManager(ready.num_blocks, ready.block_size)
         capacity = ready.num_blocks * ready.block_size

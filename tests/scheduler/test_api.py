@@ -12,6 +12,7 @@ from agentserve.orchestrator.policies import POLICY_NAMES, make_policy
 from agentserve.orchestrator.scheduler.config import SchedulerConfig, load_config
 from agentserve.orchestrator.scheduler.request import Phase
 from agentserve.orchestrator.scheduler.scheduler import Scheduler
+from agentserve.orchestrator.scheduler.window import Window
 from agentserve.protocol.lanes import CPU_CORES_BACKEND, Lane
 from agentserve.protocol.ring_messages import ExecError, Plan, Release
 from agentserve.protocol.sampling import Finish, SamplingParams
@@ -353,9 +354,31 @@ def test_the_full_rung_tops_the_controllers_ladder_on_sms_only_by_default(backen
     assert ladder.full not in ladder.control[:-1]
 
 
-def test_full_rung_on_top_setting_is_validated():
-    with pytest.raises(ConfigError, match="full_rung_on_top"):
-        load_config(overrides={"controller": {"full_rung_on_top": "sometimes"}})
+@pytest.mark.parametrize(
+    ("backend", "setting", "shrinks"),
+    [("fake", "auto", True), (CPU_CORES_BACKEND, "auto", False), (CPU_CORES_BACKEND, "always", True),
+     ("fake", "never", False)],
+)
+def test_a_tightening_controller_takes_b_below_its_start_on_sms_only_by_default(backend, setting, shrinks):
+    """auto: on CPU cores a prefill token costs the same in any decode step, so the controller's tightening
+    stops at b_prefill_init (what no-feedback holds) instead of spreading resumes over more steps."""
+    base = SchedulerConfig()
+    config = dataclasses.replace(base, controller=dataclasses.replace(base.controller, shrink_b_prefill=setting))
+    ctl = Scheduler("agentserve", ready(256, BS, backend=backend), config).policy.ctl
+    c = config.controller
+    window = Window(c.window_s)
+    for k in range(40):  # TPOT far above the target every period
+        now = k * c.period_s
+        for i in range(c.min_samples * 2):
+            window.add(now - i * 1e-4, 10 * config.slo.tpot_target_ms / 1000)
+        ctl.step(window, now)
+    assert ctl.b_prefill == (c.b_prefill_min if shrinks else c.b_prefill_init)
+
+
+@pytest.mark.parametrize("key", ["full_rung_on_top", "shrink_b_prefill"])
+def test_controller_device_settings_are_validated(key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(overrides={"controller": {key: "sometimes"}})
 
 
 def _decoding_beside_a_cold_prefill(d: Driver) -> tuple[int, int]:
