@@ -34,10 +34,10 @@ from __future__ import annotations
 from agentserve.orchestrator.policies.base import Policy
 from agentserve.orchestrator.policies.controller import TpotController
 from agentserve.orchestrator.scheduler.batch import Batch, Entry
-from agentserve.orchestrator.scheduler.config import SchedulerConfig
+from agentserve.orchestrator.scheduler.config import SchedulerConfig, allowed_here
 from agentserve.orchestrator.scheduler.queues import Queues
 from agentserve.orchestrator.scheduler.request import Phase, ReqState
-from agentserve.orchestrator.scheduler.rungs import Ladder, allowed_here
+from agentserve.orchestrator.scheduler.rungs import Ladder
 from agentserve.orchestrator.scheduler.window import Window
 from agentserve.protocol.lanes import Lane
 

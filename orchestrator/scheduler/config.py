@@ -15,7 +15,16 @@ from agentserve import configs
 from agentserve.configs import ConfigError
 
 PREFILL_LANE_RESUMES = ("first", "idle", "never")  # when AgentServe's prefill lane takes resumes
-DECODE_FULL_RUNG = ("auto", "always", "never")  # whether AgentServe's decode may take the full rung beside prefill
+BY_DEVICE = ("auto", "always", "never")  # switches whose right value depends on the device: auto = on SMs only
+
+
+def allowed_here(setting: str, unit: str) -> bool:
+    """A :data:`BY_DEVICE` setting on a device whose rungs count ``unit``: ``auto`` allows on SMs (a GPU) only.
+
+    Used for the moves measured to cost on CPU cores: decode on the full rung beside prefill (the prefill
+    lane then runs at ``SCHED_IDLE``) and shrinking the resume budget (a prefill token costs the same in
+    any decode step of one core); docs/scheduler.md has the figures."""
+    return setting == "always" or (setting == "auto" and unit == "SMs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +154,10 @@ class SchedulerConfig:
             (self.scheduler.prefill_lane_resumes in PREFILL_LANE_RESUMES,
              f"prefill_lane_resumes in {PREFILL_LANE_RESUMES}"),
             (self.scheduler.resume_ride_after_ms >= 0, "resume_ride_after_ms >= 0"),
-            (self.scheduler.decode_full_rung_when_idle in DECODE_FULL_RUNG,
-             f"decode_full_rung_when_idle in {DECODE_FULL_RUNG}"),
-            (c.full_rung_on_top in DECODE_FULL_RUNG, f"full_rung_on_top in {DECODE_FULL_RUNG}"),
-            (c.shrink_b_prefill in DECODE_FULL_RUNG, f"shrink_b_prefill in {DECODE_FULL_RUNG}"),
+            (self.scheduler.decode_full_rung_when_idle in BY_DEVICE,
+             f"decode_full_rung_when_idle in {BY_DEVICE}"),
+            (c.full_rung_on_top in BY_DEVICE, f"full_rung_on_top in {BY_DEVICE}"),
+            (c.shrink_b_prefill in BY_DEVICE, f"shrink_b_prefill in {BY_DEVICE}"),
             (self.chunked.token_budget > 0 and self.llamacpp.n_batch > 0, "token budgets > 0"),
             (self.llamacpp.n_slots > 0, "n_slots > 0"),
         ]

@@ -9,21 +9,16 @@ prefill lane runs beside it at low priority (a low-priority stream; ``SCHED_IDLE
 CPU).  A ladder without split rungs (no partitioning backend) gives a single control rung, the
 full one: the rung action is then a no-op.
 
-Whether decode may take the full rung beside a running prefill is a setting (``always | never | auto``):
-``auto`` allows it on SMs only.  On CPU cores the prefill lane's threads beside decode run at ``SCHED_IDLE``,
-behind every runnable thread of the machine (the orchestrator, the clients), so a resume or a cold chunk
-there crawls while decode, whose short steps run on one thread, gains nothing (docs/scheduler.md).
+Whether decode may take the full rung beside a running prefill is a setting (``always | never | auto``,
+read by :func:`~agentserve.orchestrator.scheduler.config.allowed_here`): ``auto`` allows it on SMs only.
+On CPU cores the prefill lane's threads beside decode run at ``SCHED_IDLE``, behind every runnable thread
+of the machine (the orchestrator, the clients), so a resume or a cold chunk there crawls while decode,
+whose short steps run on one thread, gains nothing (docs/scheduler.md).
 """
 
 from __future__ import annotations
 
 from agentserve.protocol.lanes import Rung
-
-
-def allowed_here(setting: str, unit: str) -> bool:
-    """An ``always | never | auto`` setting on a device counting ``unit``: ``auto`` allows on SMs only (the
-    full rung beside prefill, shrinking the resume budget: both measured to cost on CPU cores)."""
-    return setting == "always" or (setting == "auto" and unit == "SMs")
 
 
 class Ladder:

@@ -61,12 +61,12 @@ import msgspec
 from agentserve.orchestrator.policies import make_policy
 from agentserve.orchestrator.policies.base import Policy
 from agentserve.orchestrator.scheduler.batch import Batch, Entry
-from agentserve.orchestrator.scheduler.config import SchedulerConfig, load_config
+from agentserve.orchestrator.scheduler.config import SchedulerConfig, allowed_here, load_config
 from agentserve.orchestrator.scheduler.events import SeqEvent
 from agentserve.orchestrator.scheduler.kv_manager import Admit, KVManager
 from agentserve.orchestrator.scheduler.queues import Queues
 from agentserve.orchestrator.scheduler.request import Phase, ReqState, Request
-from agentserve.orchestrator.scheduler.rungs import Ladder, allowed_here
+from agentserve.orchestrator.scheduler.rungs import Ladder
 from agentserve.orchestrator.scheduler.session_kv import SessionKV, tool_ttl
 from agentserve.orchestrator.scheduler.window import Window
 from agentserve.protocol.lanes import Lane, backend_unit
