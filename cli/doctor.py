@@ -110,6 +110,8 @@ def cpu_engine() -> str:
     kv = resolve_kv_dtype("auto", cpu, fp32, [fmt], kernel is not None and kernel.reads_f16)
     cache = ("an fp16 KV cache (compiled decode-attention kernel)" if kv == torch.float16
              else "an fp32 KV cache")
+    fused = fmt != "dense" and kernel is not None and bool(kernel.library.fused_decode_available())
+    cache += ", fused C decode step" if fused else ", PyTorch decode step"
     return {
         "dense": "fp32 activations, dense fp32 matrices (no FBGEMM fp16 kernel in this build/CPU)",
         "hybrid": "fp32 activations, hybrid matrices: bf16 products for prefill chunks (native bf16), "

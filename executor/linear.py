@@ -94,10 +94,11 @@ class PackedFp16Linear:
 class HybridLinear:
     """Decode rows: the packed fp16 product on fp32 activations; prefill rows: a bf16 product, in fp32."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, stored: torch.dtype | None = None) -> None:
         self.packed = PackedFp16Linear(weight, bias)
         self.weight16 = weight.to(torch.bfloat16)
         self.bias = None if bias is None else bias.float()
+        self.stored = stored  # the checkpoint's dtype: bf16 means weight16 holds its values exactly
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         split = getattr(_rows, "split", None)
@@ -196,8 +197,10 @@ def choose_format(weights: str, stored: torch.dtype, weight: torch.Tensor) -> st
     return "hybrid" if stored == torch.bfloat16 and cpu_has_fast_bf16() else "fp16"
 
 
-def make_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-    """A matrix in the format :func:`choose_format` picked; tensors already in the model dtype."""
+def make_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None,
+                stored: torch.dtype | None = None) -> Linear:
+    """A matrix in the format :func:`choose_format` picked; tensors already in the model dtype, ``stored`` the
+    checkpoint's."""
     if fmt == "hybrid":
-        return HybridLinear(weight, bias)
+        return HybridLinear(weight, bias, stored)
     return PackedFp16Linear(weight, bias) if fmt == "fp16" else DenseLinear(weight, bias)

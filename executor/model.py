@@ -65,7 +65,7 @@ class _Weights:
         """``weight`` (in the model dtype; ``stored`` in the checkpoint) as a matrix in its chosen format."""
         fmt = choose_format(self.weights, stored, weight)
         self.formats.add(fmt)
-        return make_linear(fmt, weight, bias)
+        return make_linear(fmt, weight, bias, stored)
 
 
 class DecoderModel:

@@ -80,6 +80,7 @@ RUNNER_OPTIONS: tuple[tuple[str, type], ...] = (
     ("kv_cache_bytes", int),
     ("max_model_len", int),
     ("cuda_graphs", str),
+    ("decode_step", str),
     ("memory_utilization", float),
     ("profile_tokens", int),
 )
@@ -204,7 +205,8 @@ class Executor:
             reason=self.backend.reason,
             ladder=list(self.backend.ladder),
             device=f"{r.device} {self.backend.device} {dtype}, {r.weight_format} matrices, "
-                   f"{str(r.kv_dtype).removeprefix('torch.')} KV",
+                   f"{str(r.kv_dtype).removeprefix('torch.')} KV"
+                   + (", fused decode step" if r.fused_decode is not None else ""),
             model=model,
         )
 

@@ -15,8 +15,11 @@ from pathlib import Path
 import torch
 
 from agentserve.executor.attention import AttentionBatch, cpu_decode_kernel, create_backend
+from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
 from agentserve.executor.checkpoint import ModelConfig, load_config, load_weights
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
+from agentserve.executor.fused.step import FusedDecodeStep
+from agentserve.executor.fused.step import why_not as fused_why_not
 from agentserve.executor.kv_cache import KVCache, bytes_per_block
 from agentserve.executor.linear import ALL_ROWS, bf16_rows, check_weights
 from agentserve.executor.memory import CudaMemory, DeviceMemory, kv_budget_bytes, profile_memory
@@ -144,6 +147,7 @@ class ModelRunner(RunnerGraphs):
         weights: str = "auto",
         kv_cache_dtype: str = "auto",
         cuda_graphs: str = "auto",
+        decode_step: str = "auto",
         memory_utilization: float = MEMORY_UTILIZATION,
         profile_tokens: int = PROFILE_TOKENS,
     ) -> None:
@@ -171,6 +175,7 @@ class ModelRunner(RunnerGraphs):
             attention_backend, config.num_heads, config.num_kv_heads, config.head_dim, block_size, self.device,
             self.dtype, self.kv_dtype,
         )
+        self.fused_decode = self._fused_decode(decode_step, kernel)
         self.num_blocks = num_blocks or self._default_num_blocks(kv_cache_bytes)
         self.kv_cache = self._new_cache(self.num_blocks)
         if self.device.type == "cuda":  # compile the attention kernels now, not in the first request's step
@@ -189,6 +194,26 @@ class ModelRunner(RunnerGraphs):
             block_size,
             self.kv_cache.total_bytes / 2**20,
         )
+
+    def _fused_decode(self, setting: str, kernel: PagedDecodeKernel | None) -> FusedDecodeStep | None:
+        """The fused decode step where ``setting`` allows it and it runs here; ``fused`` fails where it cannot."""
+        layers = self.model.layers
+        linears = [lin for x in layers for lin in (x.qkv, x.o, x.gate_up, x.down)]
+        why = fused_why_not(setting, kernel if self.attention_uses(kernel) else None, self.device, self.dtype,
+                            linears)
+        if why and setting == "fused":
+            raise EngineError(f"decode_step 'fused' is unavailable: {why}")
+        if why:
+            if self.device.type == "cpu":
+                log.info("decode step: PyTorch (%s)", why)
+            return None
+        step = FusedDecodeStep(kernel, self.model, self.block_size)
+        log.info("decode step: fused C (%.1f MiB of fp16 matrices added)", step.bytes_added / 2**20)
+        return step
+
+    def attention_uses(self, kernel: PagedDecodeKernel | None) -> bool:
+        """Whether the attention backend runs ``kernel`` for decode over this runner's cache dtype."""
+        return kernel is not None and getattr(self.attention, "decode_kernel", None) is kernel
 
     def _new_cache(self, num_blocks: int) -> KVCache:
         c = self.config
@@ -332,6 +357,11 @@ class ModelRunner(RunnerGraphs):
         batch = AttentionBatch(
             True, [1] * len(items), [it.position for it in items], [it.block_table for it in items], slots
         )
+        if self.fused_decode is not None:
+            meta = self.attention.plan(batch)
+            hidden = self.fused_decode(ids, positions, meta.slots, meta.block_tables, meta.lens, self.kv_cache,
+                                       meta.threads)
+            return self.model.logits(hidden)
         return self.model.logits(self._forward(ids, positions, batch))
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:

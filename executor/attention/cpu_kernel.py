@@ -1,5 +1,6 @@
 """The CPU paged-decode kernel (``paged_decode.c``): built once per machine with the system C compiler, then
-loaded through ctypes.
+loaded through ctypes.  The same library holds the fused decode step (``executor/fused/decode_step.c``), which
+calls the kernel for its attention.
 
 PyTorch's decode path must first gather each sequence's blocks into a contiguous copy, and no installable
 library attends a paged cache in place on an AVX2 CPU (Intel's extension is pinned to particular PyTorch
@@ -32,6 +33,7 @@ from agentserve import configs
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCES = (SOURCE, Path(__file__).parents[1] / "fused" / "decode_step.c")  # compiled into one library
 # -ffast-math (vectorised expf, reassociated sums) only when compiling: on the link line gcc would add
 # crtfastmath.o, which flushes subnormals to zero for the whole process as soon as the library loads.
 COMPILE = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-c")
@@ -73,11 +75,11 @@ def _build(cc: str, out: Path) -> None:
     """Compile into ``out`` atomically (concurrent builders each write temporary files, then rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = Path(tmp) / "paged_decode.o", Path(tmp) / "paged_decode.so"
+        objs, lib = [Path(tmp) / f"{src.stem}.o" for src in SOURCES], Path(tmp) / "paged_decode.so"
         for extra in ((OPENMP,), ()):
-            error = _run([cc, *COMPILE, *extra, str(SOURCE), "-o", str(obj)]) or _run(
-                [cc, *LINK, *extra, str(obj), "-o", str(lib), "-lm"]
-            )
+            error = next(filter(None, (_run([cc, *COMPILE, *extra, str(src), "-o", str(obj)])
+                                       for src, obj in zip(SOURCES, objs, strict=True))), None)
+            error = error or _run([cc, *LINK, *extra, *map(str, objs), "-o", str(lib), "-lm"])
             if error is None:
                 os.replace(lib, out)
                 return
@@ -107,6 +109,7 @@ class PagedDecodeKernel:
     the CPU has F16C)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library  # also holds the fused decode step (:mod:`agentserve.executor.fused`)
         ptr, i32 = ctypes.c_void_p, ctypes.c_int
         self._fns = {}
         for dtype, name in ((torch.float32, "paged_decode_f32"), (torch.float16, "paged_decode_f16")):
@@ -184,7 +187,7 @@ def _load() -> PagedDecodeKernel | None:
         return None
     try:
         key = hashlib.sha256(
-            "\0".join([SOURCE.read_text(), _version(cc), *COMPILE, *LINK, OPENMP, _cpu_flags(),
+            "\0".join([*(src.read_text() for src in SOURCES), _version(cc), *COMPILE, *LINK, OPENMP, _cpu_flags(),
                        *platform.libc_ver()]).encode()
         ).hexdigest()[:16]
         path = cache_dir() / key / "paged_decode.so"

@@ -43,8 +43,9 @@ def _decoding(snapshot) -> list:
 def test_a_disconnect_aborts_the_turn_and_frees_its_kv(http_server, stream) -> None:
     before = http_server.snapshot()
     idle_kv, tokens_before = before.kv.used_blocks, before.tokens_out
-    body = {"messages": [{"role": "user", "content": "a very long story"}], "max_tokens": 3000, "ignore_eos": True,
-            "temperature": 0, "stream": stream}
+    max_tokens = 3500  # `tiny` decodes ~1,500 tokens/s: the client leaves well before the turn could end
+    body = {"messages": [{"role": "user", "content": "a very long story"}], "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": stream}
     with httpx.Client(base_url=http_server.url, headers=http_server.headers(), timeout=5) as client:
         if stream:
             with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -54,7 +55,7 @@ def test_a_disconnect_aborts_the_turn_and_frees_its_kv(http_server, stream) -> N
                 next(lines)  # the turn is streaming
         else:
             with pytest.raises(httpx.ReadTimeout):
-                client.post("/v1/chat/completions", json=body, timeout=1.5)
+                client.post("/v1/chat/completions", json=body, timeout=0.5)
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         snap = http_server.snapshot()
@@ -63,4 +64,4 @@ def test_a_disconnect_aborts_the_turn_and_frees_its_kv(http_server, stream) -> N
         time.sleep(0.1)
     assert not _decoding(snap), "the turn kept running after its client left"
     assert snap.kv.used_blocks <= idle_kv, "its KV was not freed"
-    assert snap.tokens_out < tokens_before + 2000, "decoding stopped long before max_tokens"
+    assert snap.tokens_out < tokens_before + max_tokens - 500, "decoding stopped long before max_tokens"
