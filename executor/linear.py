@@ -81,6 +81,7 @@ class PackedFp16Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         b = None if bias is None else bias.float()
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), b)
+        self.shape = (weight.shape[0], weight.shape[1])
         self._nbytes = weight.numel() * 2 + (0 if b is None else b.numel() * 4)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,7 @@ int64_t fused_decode_scratch(const Model *m, int batch) {
 
 #if HAVE_FUSED
 #define INLINE static inline __attribute__((always_inline))
-#define PREFETCH_BYTES 16384
+#define PREFETCH_BYTES 16384 /* 8-32 KB, L1/L2/L3 hints: within 2 % of each other; none: 1.7-2x slower */
 
 #if defined(__AVX512F__)
 #define VL 16
@@ -270,7 +270,7 @@ int fused_decode(const Model *m, float *x, float *out, const int64_t *positions,
             return -2;
         if (lens[b] < 1 || lens[b] > (int64_t)width * m->block_size) return -2;
         for (int64_t j = 0; j < (lens[b] + m->block_size - 1) / m->block_size; j++)
-            if (tables[b * width + j] < 0 || tables[b * width + j] >= m->num_blocks) return -2;
+            if (tables[(int64_t)b * width + j] < 0 || tables[(int64_t)b * width + j] >= m->num_blocks) return -2;
     }
     for (int i = 0; i < m->num_layers; i++) {
         const int rc = layer_step(m, &m->layers[i], x, positions, slots, tables, lens, width, batch, scratch,

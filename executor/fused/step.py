@@ -3,10 +3,12 @@ norm, in one call into the compiled library that also holds the paged-decode ker
 
 Eager PyTorch spends about as long dispatching a decode step's ~35 small operations per layer as the products
 themselves take on a model that fits a CPU; the C step runs them as plain loops.  It reads each matrix as the
-checkpoint's 16-bit values, row-major: a hybrid matrix's bf16 copy where that is what the checkpoint stored
-(no extra memory), else the packed fp16 matrix unpacked once into fp16 (exact: the packed values are fp16),
-which costs a second copy of that matrix.  Activations and sums are fp32, as in the packed product, so its
-logits differ from the PyTorch path only by the order of additions.
+checkpoint's 16-bit values, row-major, from one huge-page arena (:mod:`.arena`): a hybrid matrix's bf16
+copy where that is what the checkpoint stored (moved there: the matrix's ``weight16`` becomes its view into
+the arena, so prefill reads it there too, and no memory is added), else the packed fp16 matrix unpacked
+once into fp16 (exact: the packed values are fp16), which costs a second copy of that matrix.  Activations
+and sums are fp32, as in the packed product, so its logits differ from the PyTorch path only by the order of
+additions.
 
 Used for decode-only batches on a float32 CPU model whose every matrix is packed (``fp16`` or ``hybrid``);
 ``decode_step = "torch"`` (engine setting) turns it off, ``"fused"`` fails start-up where it cannot run.
@@ -22,6 +24,7 @@ import torch
 
 from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
 from agentserve.executor.errors import EngineError
+from agentserve.executor.fused.arena import HugePageArena, aligned
 from agentserve.executor.kv_cache import KVCache
 from agentserve.executor.linear import HybridLinear, Linear, PackedFp16Linear
 
@@ -58,6 +61,17 @@ def rows16(linear: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight.to(torch.float16), None if bias is None else bias.float().contiguous()
 
 
+MATRICES = ("qkv", "o", "gate_up", "down")  # a layer's matrices, in the order of the C struct's fields
+
+
+def _shape(linear: Linear) -> tuple[int, int]:
+    if isinstance(linear, HybridLinear):
+        return tuple(linear.weight16.shape)
+    if isinstance(linear, PackedFp16Linear):
+        return linear.shape
+    raise EngineError(f"the fused decode step needs packed matrices, not {type(linear).__name__}")
+
+
 def why_not(setting: str, kernel: PagedDecodeKernel | None, device: torch.device, dtype: torch.dtype,
             linears: Iterable[Linear]) -> str:
     """Why the fused step cannot run for this engine, or ``""`` when it can."""
@@ -80,7 +94,8 @@ class FusedDecodeStep:
     """Runs decode batches through ``fused_decode``; holds the 16-bit matrices and the C structs pointing at them.
 
     The structs point into tensors this object keeps alive; the cache pointers are refreshed whenever a
-    different cache is passed (the runner swaps in a scratch cache while it profiles memory)."""
+    different cache is passed (the runner swaps in a scratch cache while it profiles memory, before the lanes
+    start).  Each call has its own scratch memory, so the two lanes may both run decode batches."""
 
     def __init__(self, kernel: PagedDecodeKernel, model, block_size: int) -> None:
         c = model.config
@@ -91,6 +106,9 @@ class FusedDecodeStep:
         scratch.argtypes, scratch.restype = [ctypes.POINTER(_Model), _i32], _i64
         self._scratch_floats = scratch
         self._keep: list[torch.Tensor] = []  # every tensor a struct points into
+        matrices = [getattr(layer, name) for layer in model.layers for name in MATRICES]
+        self.arena = HugePageArena(sum(aligned(2 * rows * cols) for rows, cols in map(_shape, matrices)))
+        self.bytes_added = 0  # matrices copied (fp16 unpacked), not moved, into the arena
         self._layers = (_Layer * c.num_layers)(*(self._layer(layer) for layer in model.layers))
         self._model = _Model(
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.num_layers, block_size,
@@ -98,8 +116,6 @@ class FusedDecodeStep:
             self._p(model.rotary.cos), self._p(model.rotary.sin), self._p(model.norm), self._layers)
         self._embed, self._dtype = model.embed, model.dtype
         self._cache: KVCache | None = None
-        self._scratch = torch.empty(0)
-        self.bytes_added = sum(t.nbytes for t in self._keep if t.dtype == torch.float16)
 
     def _p(self, t: torch.Tensor | None) -> int | None:
         if t is None:
@@ -111,13 +127,16 @@ class FusedDecodeStep:
 
     def _mat(self, linear: Linear) -> _Mat:
         w, bias = rows16(linear)
-        w = w.contiguous()
-        return _Mat(self._p(w), self._p(bias), w.shape[0], w.shape[1], int(w.dtype == torch.bfloat16))
+        view = self.arena.put(w)
+        if isinstance(linear, HybridLinear) and w is linear.weight16:
+            linear.weight16 = view  # moved: the loaded copy is freed
+        else:
+            self.bytes_added += view.nbytes
+        return _Mat(self._p(view), self._p(bias), view.shape[0], view.shape[1], int(view.dtype == torch.bfloat16))
 
     def _layer(self, layer) -> _Layer:
         return _Layer(self._p(layer.input_norm), self._p(layer.post_norm), self._p(layer.q_norm),
-                      self._p(layer.k_norm), self._mat(layer.qkv), self._mat(layer.o), self._mat(layer.gate_up),
-                      self._mat(layer.down), None, None)
+                      self._p(layer.k_norm), *(self._mat(getattr(layer, name)) for name in MATRICES), None, None)
 
     def _bind(self, cache: KVCache) -> None:
         if cache is self._cache:
@@ -138,12 +157,10 @@ class FusedDecodeStep:
         b = ids.shape[0]
         x = self._embed.index_select(0, ids).to(self._dtype)
         out = torch.empty_like(x)
-        need = self._scratch_floats(ctypes.byref(self._model), b)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
+        scratch = torch.empty(self._scratch_floats(ctypes.byref(self._model), b))  # per call: lanes may share
         rc = self._fn(ctypes.byref(self._model), x.data_ptr(), out.data_ptr(), positions.data_ptr(),
-                      slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], b,
-                      self._scratch.data_ptr(), threads)
+                      slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], b, scratch.data_ptr(),
+                      threads)
         if rc != 0:
             raise EngineError(f"fused decode step failed ({rc}): a position, slot, length or block id outside "
                               "the model or cache" if rc == -2 else f"fused decode step failed ({rc})")

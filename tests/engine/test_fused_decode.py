@@ -4,6 +4,7 @@ on every architecture case and on shapes that take its tail loops; its refusals 
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from engine_helpers import COMMON, REL_TOL, GreedyDriver, rel_err, save_checkpoi
 
 from agentserve.executor.attention import cpu_kernel
 from agentserve.executor.errors import EngineError
-from agentserve.executor.fused.step import rows16
+from agentserve.executor.fused.arena import HugePageArena, aligned
+from agentserve.executor.fused.step import MATRICES, rows16
 from agentserve.executor.linear import HybridLinear, PackedFp16Linear, fp16_packing_available
 from agentserve.executor.runner import DecodeItem, ModelRunner
 
@@ -131,3 +133,45 @@ def test_rows16_shares_a_bf16_checkpoints_hybrid_matrix_and_unpacks_the_rest_exa
     for linear in (PackedFp16Linear(w, bias), HybridLinear(w, bias, stored=torch.float16)):
         got, got_bias = rows16(linear)
         assert got.dtype == torch.float16 and torch.equal(got.float(), w) and torch.equal(got_bias, bias)
+
+
+def test_two_lanes_may_run_fused_decode_batches_at_once(bf16_paths, cases):
+    """The decode and prefill lanes are threads over one runner: concurrent fused steps on different sequences
+    compute what they compute one after another."""
+    runner = ModelRunner(bf16_paths["qwen3_headdim"], device="cpu", dtype="float32", num_blocks=48, weights="fp16")
+    prompts = cases["qwen3_headdim"].prompts
+    driver = GreedyDriver(runner, 4)
+    first = driver.prefill([0, 1, 2, 3], prompts).argmax(-1).tolist()
+    items = [DecodeItem(first[s], driver.cached[s], driver.tables[s]) for s in range(4)]
+    alone = [runner.decode(items[:2]), runner.decode(items[2:])]
+    results: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def lane(i: int) -> None:
+        for _ in range(30):  # each step rewrites the same slot with the same K/V: the results must not move
+            results[i].append(runner.decode(items[2 * i:2 * i + 2]))
+
+    threads = [threading.Thread(target=lane, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(got, alone[i]) for i in (0, 1) for got in results[i])
+
+
+def test_hybrid_matrices_move_into_the_arena_and_fp16_ones_are_copied(bf16_paths):
+    hybrid = ModelRunner(bf16_paths["llama_tied"], device="cpu", num_blocks=8, weights="hybrid")
+    buffer = hybrid.fused_decode.arena.buffer
+    lo, hi = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    moved = [getattr(layer, name).weight16 for layer in hybrid.model.layers for name in MATRICES]
+    assert all(lo <= w.data_ptr() < hi for w in moved) and hybrid.fused_decode.bytes_added == 0
+    packed = ModelRunner(bf16_paths["llama_tied"], device="cpu", num_blocks=8, weights="fp16")
+    assert packed.fused_decode.bytes_added == sum(2 * r * c for layer in packed.model.layers
+                                                  for r, c in (getattr(layer, n).shape for n in MATRICES))
+
+
+def test_the_arena_refuses_more_than_it_was_sized_for():
+    arena = HugePageArena(aligned(3 * 4) + aligned(5 * 4))
+    a, b = torch.arange(3.0), torch.arange(5.0)
+    assert torch.equal(arena.put(a), a) and torch.equal(arena.put(b), b)
+    with pytest.raises(ValueError, match="arena full"):
+        arena.put(torch.ones(1))
