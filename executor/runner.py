@@ -18,6 +18,7 @@ from agentserve.executor.attention import AttentionBatch, cpu_decode_kernel, cre
 from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
 from agentserve.executor.checkpoint import ModelConfig, load_config, load_weights
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
+from agentserve.executor.fused.step import MATRICES as FUSED_MATRICES
 from agentserve.executor.fused.step import FusedDecodeStep
 from agentserve.executor.fused.step import why_not as fused_why_not
 from agentserve.executor.kv_cache import KVCache, bytes_per_block
@@ -197,8 +198,7 @@ class ModelRunner(RunnerGraphs):
 
     def _fused_decode(self, setting: str, kernel: PagedDecodeKernel | None) -> FusedDecodeStep | None:
         """The fused decode step where ``setting`` allows it and it runs here; ``fused`` fails where it cannot."""
-        layers = self.model.layers
-        linears = [lin for x in layers for lin in (x.qkv, x.o, x.gate_up, x.down)]
+        linears = [getattr(layer, name) for layer in self.model.layers for name in FUSED_MATRICES]
         why = fused_why_not(setting, kernel if self.attention_uses(kernel) else None, self.device, self.dtype,
                             linears)
         if why and setting == "fused":
