@@ -101,6 +101,7 @@ def cpu_engine() -> str:
     import torch
 
     from agentserve.executor.attention import cpu_decode_kernel
+    from agentserve.executor.fused.step import why_not as fused_why_not
     from agentserve.executor.linear import choose_format
     from agentserve.executor.runner import resolve_kv_dtype
 
@@ -110,7 +111,7 @@ def cpu_engine() -> str:
     kv = resolve_kv_dtype("auto", cpu, fp32, [fmt], kernel is not None and kernel.reads_f16)
     cache = ("an fp16 KV cache (compiled decode-attention kernel)" if kv == torch.float16
              else "an fp32 KV cache")
-    fused = fmt != "dense" and kernel is not None and bool(kernel.library.fused_decode_available())
+    fused = fmt != "dense" and not fused_why_not("auto", kernel, cpu, fp32, ())  # fmt stands for the matrices
     cache += ", fused C decode step" if fused else ", PyTorch decode step"
     return {
         "dense": "fp32 activations, dense fp32 matrices (no FBGEMM fp16 kernel in this build/CPU)",

@@ -176,7 +176,7 @@ class ModelRunner(RunnerGraphs):
             attention_backend, config.num_heads, config.num_kv_heads, config.head_dim, block_size, self.device,
             self.dtype, self.kv_dtype,
         )
-        self.fused_decode = self._fused_decode(decode_step, kernel)
+        self.fused_decode = self._fused_decode(decode_step)
         self.num_blocks = num_blocks or self._default_num_blocks(kv_cache_bytes)
         self.kv_cache = self._new_cache(self.num_blocks)
         if self.device.type == "cuda":  # compile the attention kernels now, not in the first request's step
@@ -196,11 +196,13 @@ class ModelRunner(RunnerGraphs):
             self.kv_cache.total_bytes / 2**20,
         )
 
-    def _fused_decode(self, setting: str, kernel: PagedDecodeKernel | None) -> FusedDecodeStep | None:
-        """The fused decode step where ``setting`` allows it and it runs here; ``fused`` fails where it cannot."""
+    def _fused_decode(self, setting: str) -> FusedDecodeStep | None:
+        """The fused decode step where ``setting`` allows it and it runs here; ``fused`` fails where it cannot.
+
+        It calls the paged-decode kernel the attention backend decodes with (None: no kernel in use)."""
+        kernel: PagedDecodeKernel | None = getattr(self.attention, "decode_kernel", None)
         linears = [getattr(layer, name) for layer in self.model.layers for name in FUSED_MATRICES]
-        why = fused_why_not(setting, kernel if self.attention_uses(kernel) else None, self.device, self.dtype,
-                            linears)
+        why = fused_why_not(setting, kernel, self.device, self.dtype, linears)
         if why and setting == "fused":
             raise EngineError(f"decode_step 'fused' is unavailable: {why}")
         if why:
@@ -210,10 +212,6 @@ class ModelRunner(RunnerGraphs):
         step = FusedDecodeStep(kernel, self.model, self.block_size)
         log.info("decode step: fused C (%.1f MiB of fp16 matrices added)", step.bytes_added / 2**20)
         return step
-
-    def attention_uses(self, kernel: PagedDecodeKernel | None) -> bool:
-        """Whether the attention backend runs ``kernel`` for decode over this runner's cache dtype."""
-        return kernel is not None and getattr(self.attention, "decode_kernel", None) is kernel
 
     def _new_cache(self, num_blocks: int) -> KVCache:
         c = self.config

@@ -54,22 +54,19 @@ def rows16(linear: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A packed matrix as 16-bit row-major values and its fp32 bias (see the module's docstring)."""
     if isinstance(linear, HybridLinear) and linear.stored == torch.bfloat16:
         return linear.weight16, linear.bias
-    packed = linear.packed if isinstance(linear, HybridLinear) else linear
-    if not isinstance(packed, PackedFp16Linear):
-        raise EngineError(f"the fused decode step needs packed matrices, not {type(linear).__name__}")
-    weight, bias = torch.ops.quantized.linear_unpack_fp16(packed.packed)
+    weight, bias = torch.ops.quantized.linear_unpack_fp16(_packed(linear).packed)
     return weight.to(torch.float16), None if bias is None else bias.float().contiguous()
 
 
+def _packed(linear: Linear) -> PackedFp16Linear:
+    """The packed fp16 matrix of a packed or hybrid matrix."""
+    packed = linear.packed if isinstance(linear, HybridLinear) else linear
+    if not isinstance(packed, PackedFp16Linear):
+        raise EngineError(f"the fused decode step needs packed matrices, not {type(linear).__name__}")
+    return packed
+
+
 MATRICES = ("qkv", "o", "gate_up", "down")  # a layer's matrices, in the order of the C struct's fields
-
-
-def _shape(linear: Linear) -> tuple[int, int]:
-    if isinstance(linear, HybridLinear):
-        return tuple(linear.weight16.shape)
-    if isinstance(linear, PackedFp16Linear):
-        return linear.shape
-    raise EngineError(f"the fused decode step needs packed matrices, not {type(linear).__name__}")
 
 
 def why_not(setting: str, kernel: PagedDecodeKernel | None, device: torch.device, dtype: torch.dtype,
@@ -107,7 +104,7 @@ class FusedDecodeStep:
         self._scratch_floats = scratch
         self._keep: list[torch.Tensor] = []  # every tensor a struct points into
         matrices = [getattr(layer, name) for layer in model.layers for name in MATRICES]
-        self.arena = HugePageArena(sum(aligned(2 * rows * cols) for rows, cols in map(_shape, matrices)))
+        self.arena = HugePageArena(sum(aligned(2 * rows * cols) for rows, cols in (_packed(m).shape for m in matrices)))
         self.bytes_added = 0  # matrices copied (fp16 unpacked), not moved, into the arena
         self._layers = (_Layer * c.num_layers)(*(self._layer(layer) for layer in model.layers))
         self._model = _Model(
