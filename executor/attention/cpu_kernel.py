@@ -1,105 +1,20 @@
-"""The CPU paged-decode kernel (``paged_decode.c``): built once per machine with the system C compiler, then
-loaded through ctypes.  The same library holds the fused decode step (``executor/fused/decode_step.c``), which
-calls the kernel for its attention.
+"""The CPU paged-decode kernel (``paged_decode.c``) with typed arguments, loaded from the compiled CPU library
+(:mod:`agentserve.executor.kernels.build`, which also holds the fused decode step that calls it).
 
 PyTorch's decode path must first gather each sequence's blocks into a contiguous copy, and no installable
 library attends a paged cache in place on an AVX2 CPU (Intel's extension is pinned to particular PyTorch
 releases and being retired, vLLM's CPU kernels are not a separate library, SGLang's target AVX-512 Xeons).
-The kernel is plain C (no PyTorch headers), so it builds in about a second.  The shared object is cached
-under ``<cache>/<hash>/``: the hash covers the source, the compiler's version, the flags, the CPU's
-feature flags (it is built with ``-march=native``) and the C library's version; ``<cache>`` is
-``$AGENTSERVE_KERNEL_DIR`` or ``~/.cache/agentserve/kernels``.
-A machine without a working C compiler gets ``None`` and the PyTorch path; nothing else changes.
+A machine without a working C compiler gets ``None`` from :func:`load` and the PyTorch path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
-from agentserve import configs
-
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("paged_decode.c")
-SOURCES = (SOURCE, Path(__file__).parents[1] / "fused" / "decode_step.c")  # compiled into one library
-# -ffast-math (vectorised expf, reassociated sums) only when compiling: on the link line gcc would add
-# crtfastmath.o, which flushes subnormals to zero for the whole process as soon as the library loads.
-COMPILE = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-c")
-LINK = ("-shared",)
-OPENMP = "-fopenmp"  # dropped when the compiler has no OpenMP: the kernel then runs on one thread
-DIR_ENV = "AGENTSERVE_KERNEL_DIR"
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: ``$AGENTSERVE_KERNEL_DIR``, else ``~/.cache/agentserve/kernels``."""
-    return configs.cache_dir(DIR_ENV, "kernels")
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _version(cc: str) -> str:
-    return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-
-
-def _run(cmd: list[str]) -> str | None:
-    """The compiler's complaint, or None when ``cmd`` succeeded."""
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    return None if done.returncode == 0 else f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}"
-
-
-def _build(cc: str, out: Path) -> None:
-    """Compile into ``out`` atomically (concurrent builders each write temporary files, then rename)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        objs, lib = [Path(tmp) / f"{src.stem}.o" for src in SOURCES], Path(tmp) / "paged_decode.so"
-        for extra in ((OPENMP,), ()):
-            error = next(filter(None, (_run([cc, *COMPILE, *extra, str(src), "-o", str(obj)])
-                                       for src, obj in zip(SOURCES, objs, strict=True))), None)
-            error = error or _run([cc, *LINK, *extra, *map(str, objs), "-o", str(lib), "-lm"])
-            if error is None:
-                os.replace(lib, out)
-                return
-        raise OSError(error)
-
-
-def _open(path: Path) -> ctypes.CDLL:
-    """Load the library with its OpenMP runtime's idle threads sleeping, not spinning.
-
-    The libgomp it links is usually a second OpenMP runtime beside the one PyTorch's wheel bundles; with
-    the default policy its workers would spin between layers on cores the prefill lane runs on.  libgomp
-    reads the policy when it is first loaded, so it is set for that moment only (an explicit
-    ``OMP_WAIT_POLICY`` wins)."""
-    before = os.environ.get("OMP_WAIT_POLICY")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    try:
-        return ctypes.CDLL(str(path))
-    finally:
-        if before is None:
-            del os.environ["OMP_WAIT_POLICY"]
+from agentserve.executor.kernels import build
 
 
 class PagedDecodeKernel:
@@ -170,31 +85,12 @@ class PagedDecodeKernel:
         return out
 
 
-_LOADING = threading.Lock()
-
-
 def load() -> PagedDecodeKernel | None:
-    """The kernel, built on first use; ``None`` (logged once) where it cannot be built or loaded."""
-    with _LOADING:  # one build, one temporary change of the environment, at a time
-        return _load()
+    """The kernel, from the library built on first use; ``None`` where the library cannot be built or loaded."""
+    library = build.library()
+    return None if library is None else _kernel(library)
 
 
 @functools.cache
-def _load() -> PagedDecodeKernel | None:
-    cc = _compiler()
-    if cc is None:
-        log.warning("no C compiler (cc, gcc or clang) found: CPU decode attention uses the PyTorch path")
-        return None
-    try:
-        key = hashlib.sha256(
-            "\0".join([*(src.read_text() for src in SOURCES), _version(cc), *COMPILE, *LINK, OPENMP, _cpu_flags(),
-                       *platform.libc_ver()]).encode()
-        ).hexdigest()[:16]
-        path = cache_dir() / key / "paged_decode.so"
-        if not path.exists():
-            log.info("building the CPU paged-decode kernel with %s into %s", cc, path)
-            _build(cc, path)
-        return PagedDecodeKernel(_open(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("CPU paged-decode kernel unavailable (%s): decode attention uses the PyTorch path", e)
-        return None
+def _kernel(library: ctypes.CDLL) -> PagedDecodeKernel:
+    return PagedDecodeKernel(library)

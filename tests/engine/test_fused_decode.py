@@ -15,12 +15,13 @@ from agentserve.executor.attention import cpu_kernel
 from agentserve.executor.errors import EngineError
 from agentserve.executor.fused.arena import HugePageArena, aligned
 from agentserve.executor.fused.step import MATRICES, rows16
+from agentserve.executor.kernels import build
 from agentserve.executor.linear import HybridLinear, PackedFp16Linear, fp16_packing_available
 from agentserve.executor.runner import DecodeItem, ModelRunner
 
 
 def _fused_runs_here() -> bool:
-    if not fp16_packing_available() or cpu_kernel._compiler() is None:
+    if not fp16_packing_available() or build.compiler() is None:
         return False
     kernel = cpu_kernel.load()
     return kernel is not None and bool(kernel.library.fused_decode_available())

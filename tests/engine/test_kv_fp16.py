@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 from test_paged_decode_kernel import random_case, reference
 
 from agentserve.executor.attention import cpu_kernel
+from agentserve.executor.kernels import build
 from agentserve.executor.linear import fp16_packing_available
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
-KERNEL = cpu_kernel.load() if cpu_kernel._compiler() is not None else None
+KERNEL = cpu_kernel.load() if build.compiler() is not None else None
 reads_f16 = pytest.mark.skipif(KERNEL is None or not KERNEL.reads_f16, reason="no kernel reading fp16 caches here")
 needs_fbgemm = pytest.mark.skipif(not fp16_packing_available(), reason="no FBGEMM fp16 linear in this build/CPU")
 KV_TOL = 3e-3  # logits with K/V rounded to fp16 (11 significant bits) against the fp32 reference

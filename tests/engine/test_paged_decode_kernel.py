@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from agentserve.executor.attention import cpu_kernel, create_backend
 from agentserve.executor.errors import EngineError
+from agentserve.executor.kernels import build
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
-pytestmark = pytest.mark.skipif(cpu_kernel._compiler() is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on this machine")
 CPU = torch.device("cpu")
 
 
@@ -147,31 +148,31 @@ def test_auto_backend_uses_the_kernel_only_for_float32_on_the_cpu(kernel):
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """An empty kernel cache and no remembered load, restored afterwards."""
-    monkeypatch.setenv(cpu_kernel.DIR_ENV, str(tmp_path))
-    cpu_kernel._load.cache_clear()
+    monkeypatch.setenv(build.DIR_ENV, str(tmp_path))
+    build.forget()
     yield tmp_path
-    cpu_kernel._load.cache_clear()
+    build.forget()
 
 
 def test_builds_once_into_its_cache(fresh_build):
     assert cpu_kernel.load() is not None
     [built] = list(fresh_build.glob("*/paged_decode.so"))
     stamp = built.stat().st_mtime_ns
-    cpu_kernel._load.cache_clear()
+    build.forget()
     assert cpu_kernel.load() is not None and built.stat().st_mtime_ns == stamp
     assert [p.name for p in built.parent.iterdir()] == ["paged_decode.so"]  # no temporary left behind
 
 
 def test_without_a_working_compiler_auto_falls_back_and_cpu_kernel_says_why(fresh_build, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    monkeypatch.setattr(cpu_kernel.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
+    monkeypatch.setattr(build.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
     assert cpu_kernel.load() is None
     assert "PyTorch path" in caplog.text and list(fresh_build.rglob("*.so")) == []
     assert create_backend("auto", 8, 2, 64, 16, CPU, torch.float32).decode_kernel is None
     with pytest.raises(EngineError, match="could not be built"):
         create_backend("cpu-kernel", 8, 2, 64, 16, CPU, torch.float32)
-    cpu_kernel._load.cache_clear()
-    monkeypatch.setattr(cpu_kernel.shutil, "which", lambda name: None)
+    build.forget()
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
     assert cpu_kernel.load() is None and "no C compiler" in caplog.text
 
 
@@ -196,6 +197,6 @@ def test_loading_the_kernel_keeps_subnormal_floats(tmp_path):
              "c = torch.randn(2, 4, 1, 8); "  # attend once: the kernel's own flush must not outlive the call
              "k(torch.randn(1, 2, 8) * 40, c, c, torch.tensor([[0, 1]]), torch.tensor([7]), 1.0); "
              "tiny = float.fromhex('0x1p-1060'); print(tiny * 1.5 > 0, (torch.tensor([1e-40]) * 1.5).item() > 0)")
-    env = {**os.environ, cpu_kernel.DIR_ENV: str(tmp_path)}  # a fresh build, loaded into a fresh process
+    env = {**os.environ, build.DIR_ENV: str(tmp_path)}  # a fresh build, loaded into a fresh process
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["True", "True"], done.stderr

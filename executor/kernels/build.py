@@ -1,0 +1,137 @@
+"""The CPU library (``libagentserve_cpu``): ``attention/paged_decode.c`` (paged decode attention) and
+``fused/decode_step.c`` (the fused decode step, which calls the first), built once per machine with the system
+C compiler into one shared object, then loaded through ctypes by their Python wrappers
+(:class:`~agentserve.executor.attention.cpu_kernel.PagedDecodeKernel`,
+:class:`~agentserve.executor.fused.step.FusedDecodeStep`).
+
+The sources are plain C (no PyTorch headers), so they build in about a second.  The shared object is cached
+under ``<cache>/<hash>/``: the hash covers the sources, the compiler's version, the flags, the CPU's feature
+flags (it is built with ``-march=native``) and the C library's version; ``<cache>`` is
+``$AGENTSERVE_KERNEL_DIR`` or ``~/.cache/agentserve/kernels``.  A machine without a working C compiler gets
+``None`` (logged once) and the PyTorch paths; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from agentserve import configs
+
+log = logging.getLogger(__name__)
+
+_EXECUTOR = Path(__file__).parents[1]
+SOURCES = (_EXECUTOR / "attention" / "paged_decode.c", _EXECUTOR / "fused" / "decode_step.c")
+LIBRARY = "paged_decode.so"  # the file name inside its cache folder
+# -ffast-math (vectorised expf, reassociated sums) only when compiling: on the link line gcc would add
+# crtfastmath.o, which flushes subnormals to zero for the whole process as soon as the library loads.
+COMPILE = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-c")
+LINK = ("-shared",)
+OPENMP = "-fopenmp"  # dropped when the compiler has no OpenMP: the library then runs on one thread
+DIR_ENV = "AGENTSERVE_KERNEL_DIR"
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$AGENTSERVE_KERNEL_DIR``, else ``~/.cache/agentserve/kernels``."""
+    return configs.cache_dir(DIR_ENV, "kernels")
+
+
+def compiler() -> str | None:
+    """The C compiler used: ``$CC``, else cc, gcc or clang; ``None`` when there is none."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(cc: str) -> str:
+    return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
+def _run(cmd: list[str]) -> str | None:
+    """The compiler's complaint, or None when ``cmd`` succeeded."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return None if done.returncode == 0 else f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}"
+
+
+def _build(cc: str, out: Path) -> None:
+    """Compile into ``out`` atomically (concurrent builders each write temporary files, then rename)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objs, lib = [Path(tmp) / f"{src.stem}.o" for src in SOURCES], Path(tmp) / LIBRARY
+        for extra in ((OPENMP,), ()):
+            error = next(filter(None, (_run([cc, *COMPILE, *extra, str(src), "-o", str(obj)])
+                                       for src, obj in zip(SOURCES, objs, strict=True))), None)
+            error = error or _run([cc, *LINK, *extra, *map(str, objs), "-o", str(lib), "-lm"])
+            if error is None:
+                os.replace(lib, out)
+                return
+        raise OSError(error)
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """Load the library with its OpenMP runtime's idle threads sleeping, not spinning.
+
+    The libgomp it links is usually a second OpenMP runtime beside the one PyTorch's wheel bundles; with
+    the default policy its workers would spin between layers on cores the prefill lane runs on.  libgomp
+    reads the policy when it is first loaded, so it is set for that moment only (an explicit
+    ``OMP_WAIT_POLICY`` wins)."""
+    before = os.environ.get("OMP_WAIT_POLICY")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        return ctypes.CDLL(str(path))
+    finally:
+        if before is None:
+            del os.environ["OMP_WAIT_POLICY"]
+
+
+_LOADING = threading.Lock()
+
+
+def library() -> ctypes.CDLL | None:
+    """The library, built on first use; ``None`` (logged once) where it cannot be built or loaded."""
+    with _LOADING:  # one build, one temporary change of the environment, at a time
+        return _library()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler (cc, gcc or clang) found: CPU decode runs on the PyTorch path")
+        return None
+    try:
+        key = hashlib.sha256(
+            "\0".join([*(src.read_text() for src in SOURCES), _version(cc), *COMPILE, *LINK, OPENMP, _cpu_flags(),
+                       *platform.libc_ver()]).encode()
+        ).hexdigest()[:16]
+        path = cache_dir() / key / LIBRARY
+        if not path.exists():
+            log.info("building the CPU library (paged decode attention, fused decode step) with %s into %s", cc,
+                     path)
+            _build(cc, path)
+        return _open(path)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("the CPU library is unavailable (%s): CPU decode runs on the PyTorch path", e)
+        return None
+
+
+def forget() -> None:
+    """Drop the remembered load (tests: the next :func:`library` looks again)."""
+    _library.cache_clear()
