@@ -113,10 +113,11 @@ def cpu_engine() -> str:
              else "an fp32 KV cache")
     fused = fmt != "dense" and not fused_why_not("auto", kernel, cpu, fp32, ())  # fmt stands for the matrices
     cache += ", fused C decode step" if fused else ", PyTorch decode step"
+    hybrid_decode = ("the checkpoint's bf16 values with fp32 sums for decode" if fused
+                     else "packed fp16 for decode")  # the fused step reads a hybrid matrix's bf16 copy
     return {
         "dense": "fp32 activations, dense fp32 matrices (no FBGEMM fp16 kernel in this build/CPU)",
-        "hybrid": "fp32 activations, hybrid matrices: bf16 products for prefill chunks (native bf16), "
-                  "packed fp16 for decode",
+        "hybrid": f"fp32 activations, hybrid matrices: bf16 products for prefill chunks (native bf16), {hybrid_decode}",
         "fp16": "fp32 activations, packed fp16 matrices (no native bf16)",
     }[fmt] + f", {cache}"
 

@@ -94,6 +94,11 @@ def test_doctor_names_the_cpu_engine_auto_runs_on_this_cpu_class(monkeypatch: py
     for native, words in ((True, "hybrid matrices"), (False, "packed fp16 matrices")):
         monkeypatch.setattr(linear, "cpu_has_fast_bf16", lambda native=native: native)
         monkeypatch.setattr(linear, "fp16_packing_available", lambda: True)
-        assert words in doctor_module.cpu_engine()
+        engine = doctor_module.cpu_engine()
+        assert words in engine
+        if native:  # what a hybrid matrix's decode reads follows the decode step that runs
+            fused = "fused C decode step" in engine
+            assert ("bf16 values with fp32 sums for decode" in engine) == fused
+            assert ("packed fp16 for decode" in engine) == (not fused)
     result = CliRunner().invoke(doctor, ["--partition", "cpu-cores"])
     assert "cpu engine  fp32 activations" in result.output
