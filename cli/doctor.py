@@ -101,6 +101,7 @@ def cpu_engine() -> str:
     import torch
 
     from agentserve.executor.attention import cpu_decode_kernel
+    from agentserve.executor.fused.step import instruction_set
     from agentserve.executor.fused.step import why_not as fused_why_not
     from agentserve.executor.linear import choose_format
     from agentserve.executor.runner import resolve_kv_dtype
@@ -112,7 +113,7 @@ def cpu_engine() -> str:
     cache = ("an fp16 KV cache (compiled decode-attention kernel)" if kv == torch.float16
              else "an fp32 KV cache")
     fused = fmt != "dense" and not fused_why_not("auto", kernel, cpu, fp32, ())  # fmt stands for the matrices
-    cache += ", fused C decode step" if fused else ", PyTorch decode step"
+    cache += f", fused C decode step ({instruction_set(kernel)})" if fused else ", PyTorch decode step"
     hybrid_decode = ("the checkpoint's bf16 values with fp32 sums for decode" if fused
                      else "packed fp16 for decode")  # the fused step reads a hybrid matrix's bf16 copy
     return {

@@ -87,6 +87,11 @@ def why_not(setting: str, kernel: PagedDecodeKernel | None, device: torch.device
     return ""
 
 
+def instruction_set(kernel: PagedDecodeKernel) -> str:
+    """The vector instructions this build's fused products use: ``AVX-512``, ``AVX2`` or ``""`` (no fused step)."""
+    return {16: "AVX-512", 8: "AVX2"}.get(int(kernel.library.fused_decode_lanes()), "")
+
+
 class FusedDecodeStep:
     """Runs decode batches through ``fused_decode``; holds the 16-bit matrices and the C structs pointing at them.
 

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -38,6 +39,7 @@ COMPILE = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-c")
 LINK = ("-shared",)
 OPENMP = "-fopenmp"  # dropped when the compiler has no OpenMP: the library then runs on one thread
 DIR_ENV = "AGENTSERVE_KERNEL_DIR"
+CFLAGS_ENV = "AGENTSERVE_KERNEL_CFLAGS"  # extra compiler flags, e.g. -mno-avx512f for the AVX2 build (tests)
 
 
 def cache_dir() -> Path:
@@ -48,6 +50,12 @@ def cache_dir() -> Path:
 def compiler() -> str | None:
     """The C compiler used: ``$CC``, else cc, gcc or clang; ``None`` when there is none."""
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def extra_flags() -> tuple[str, ...]:
+    """``$AGENTSERVE_KERNEL_CFLAGS``, split like a shell would: compiler flags after the built-in ones (part of the
+    cache key).  ``-mno-avx512f`` builds the AVX2 products on an AVX-512 CPU (the other CPU class's code)."""
+    return tuple(shlex.split(os.environ.get(CFLAGS_ENV, "")))
 
 
 def _cpu_flags() -> str:
@@ -76,7 +84,7 @@ def _build(cc: str, out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs, lib = [Path(tmp) / f"{src.stem}.o" for src in SOURCES], Path(tmp) / LIBRARY
         for extra in ((OPENMP,), ()):
-            error = next(filter(None, (_run([cc, *COMPILE, *extra, str(src), "-o", str(obj)])
+            error = next(filter(None, (_run([cc, *COMPILE, *extra_flags(), *extra, str(src), "-o", str(obj)])
                                        for src, obj in zip(SOURCES, objs, strict=True))), None)
             error = error or _run([cc, *LINK, *extra, *map(str, objs), "-o", str(lib), "-lm"])
             if error is None:
@@ -118,8 +126,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     try:
         key = hashlib.sha256(
-            "\0".join([*(src.read_text() for src in SOURCES), _version(cc), *COMPILE, *LINK, OPENMP, _cpu_flags(),
-                       *platform.libc_ver()]).encode()
+            "\0".join([*(src.read_text() for src in SOURCES), _version(cc), *COMPILE, *extra_flags(), *LINK, OPENMP,
+                       _cpu_flags(), *platform.libc_ver()]).encode()
         ).hexdigest()[:16]
         path = cache_dir() / key / LIBRARY
         if not path.exists():

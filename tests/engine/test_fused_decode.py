@@ -4,6 +4,10 @@ on every architecture case and on shapes that take its tail loops; its refusals 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -176,3 +180,42 @@ def test_the_arena_refuses_more_than_it_was_sized_for():
     assert torch.equal(arena.put(a), a) and torch.equal(arena.put(b), b)
     with pytest.raises(ValueError, match="arena full"):
         arena.put(torch.ones(1))
+
+
+_OTHER_CLASS = """
+import json, sys, torch
+from agentserve.executor.fused.step import instruction_set
+from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
+
+prompts, tables = [[5, 9, 14, 3, 77, 21], [8, 8, 40]], [[0, 1, 2], [3, 4]]
+logits = {}
+for step in ("fused", "torch"):
+    runner = ModelRunner(sys.argv[1], device="cpu", dtype="float32", num_blocks=8, block_size=4, weights="hybrid",
+                         decode_step=step)
+    last = runner.prefill([PrefillChunk(p, 0, t) for p, t in zip(prompts, tables)])
+    lens, out = [len(p) for p in prompts], []
+    for _ in range(5):
+        last = runner.decode([DecodeItem(int(x), n, t) for x, n, t in zip(last.argmax(-1), lens, tables)])
+        lens = [n + 1 for n in lens]
+        out.append(last)
+    logits[step] = torch.stack(out)
+    if step == "fused":
+        isa = instruction_set(runner.attention.decode_kernel)
+print(json.dumps({"isa": isa, "fused": logits["fused"].tolist(), "torch": logits["torch"].tolist()}))
+"""
+
+
+def test_the_avx2_products_match_the_pytorch_step_on_either_cpu_class(bf16_paths, tmp_path):
+    """CI machines are AVX2-only or AVX-512 EPYCs, and each compiles only its own branch of the products: here the
+    AVX2 one is built (``-mno-avx512f`` in ``AGENTSERVE_KERNEL_CFLAGS``, a fresh cache, a fresh process) and checked
+    on whichever class this is, with the native build checked by the tests above."""
+    env = {**os.environ, build.DIR_ENV: str(tmp_path), build.CFLAGS_ENV: "-mno-avx512f"}
+    done = subprocess.run([sys.executable, "-c", _OTHER_CLASS, str(bf16_paths["qwen2_tied_bias"])], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["isa"] == "AVX2"
+    fused, ref = torch.tensor(got["fused"]), torch.tensor(got["torch"])
+    assert rel_err(fused, ref) < REL_TOL and torch.equal(fused.argmax(-1), ref.argmax(-1))
+    assert rel_err(fused, ref) > 0
+    assert list(tmp_path.glob("*/paged_decode.so")), "the AVX2 build went into the fresh cache"
