@@ -13,10 +13,11 @@ SHM_DIR = "/dev/shm"
 
 @pytest.fixture(autouse=True, scope="session")
 def kernel_build_dir(tmp_path_factory):
-    """The compiled CPU decode kernel is built into this session's temporary folder, not the user's cache
-    (servers the tests start inherit the variable)."""
+    """The compiled CPU library is built into this session's temporary folder, not the user's cache (servers the
+    tests start inherit the variable), with the built-in flags only (a developer's extra flags would change it)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AGENTSERVE_KERNEL_DIR", str(tmp_path_factory.mktemp("kernels")))
+        mp.delenv("AGENTSERVE_KERNEL_CFLAGS", raising=False)
         yield
 
 

@@ -1,5 +1,5 @@
 """The CPU paged-decode kernel (``paged_decode.c``) with typed arguments, loaded from the compiled CPU library
-(:mod:`agentserve.executor.kernels.build`, which also holds the fused decode step that calls it).
+(built by :mod:`agentserve.executor.kernels.build`; the library also holds the fused decode step, which calls it).
 
 PyTorch's decode path must first gather each sequence's blocks into a contiguous copy, and no installable
 library attends a paged cache in place on an AVX2 CPU (Intel's extension is pinned to particular PyTorch
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 
@@ -85,10 +86,17 @@ class PagedDecodeKernel:
         return out
 
 
+_WRAPPING = threading.Lock()
+
+
 def load() -> PagedDecodeKernel | None:
-    """The kernel, from the library built on first use; ``None`` where the library cannot be built or loaded."""
+    """The kernel, from the library built on first use; ``None`` where the library cannot be built or loaded.
+    One wrapper per loaded library."""
     library = build.library()
-    return None if library is None else _kernel(library)
+    if library is None:
+        return None
+    with _WRAPPING:  # one wrapper even when two threads load at once (it sets the functions' argtypes)
+        return _kernel(library)
 
 
 @functools.cache

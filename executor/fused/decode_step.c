@@ -56,17 +56,6 @@ int paged_decode_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_
 
 int fused_decode_available(void) { return HAVE_FUSED; }
 
-/* Floats per vector in this build's products: 16 (AVX-512), 8 (AVX2), 0 (no fused step). */
-int fused_decode_lanes(void) {
-#if HAVE_FUSED && defined(__AVX512F__)
-    return 16;
-#elif HAVE_FUSED
-    return 8;
-#else
-    return 0;
-#endif
-}
-
 /* Floats of scratch a step of `batch` sequences needs. */
 int64_t fused_decode_scratch(const Model *m, int batch) {
     const int64_t q = (int64_t)m->heads * m->dim, kv = (int64_t)m->kv_heads * m->dim;
@@ -105,6 +94,9 @@ INLINE float hsum(vf v) {
     return _mm_cvtss_f32(s);
 }
 #endif
+
+/* Floats per vector in this build's products: 16 (AVX-512), 8 (AVX2); 0 without the fused step (below). */
+int fused_decode_lanes(void) { return VL; }
 
 INLINE float widen1(uint16_t v, const int bf16) {
     if (bf16) {
@@ -297,3 +289,7 @@ int fused_decode(const Model *m, float *x, float *out, const int64_t *positions,
     return -5;
 #endif
 }
+
+#if !HAVE_FUSED
+int fused_decode_lanes(void) { return 0; }
+#endif

@@ -1,6 +1,6 @@
-"""The CPU library (``libagentserve_cpu``): ``attention/paged_decode.c`` (paged decode attention) and
-``fused/decode_step.c`` (the fused decode step, which calls the first), built once per machine with the system
-C compiler into one shared object, then loaded through ctypes by their Python wrappers
+"""The compiled CPU library: ``attention/paged_decode.c`` (paged decode attention) and ``fused/decode_step.c``
+(the fused decode step, which calls the first), built once per machine with the system C compiler into one
+shared object (``paged_decode.so``), then loaded through ctypes by their Python wrappers
 (:class:`~agentserve.executor.attention.cpu_kernel.PagedDecodeKernel`,
 :class:`~agentserve.executor.fused.step.FusedDecodeStep`).
 
@@ -39,7 +39,7 @@ COMPILE = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-c")
 LINK = ("-shared",)
 OPENMP = "-fopenmp"  # dropped when the compiler has no OpenMP: the library then runs on one thread
 DIR_ENV = "AGENTSERVE_KERNEL_DIR"
-CFLAGS_ENV = "AGENTSERVE_KERNEL_CFLAGS"  # extra compiler flags, e.g. -mno-avx512f for the AVX2 build (tests)
+CFLAGS_ENV = "AGENTSERVE_KERNEL_CFLAGS"  # extra compile-only flags, e.g. -mno-avx512f for the AVX2 build (tests)
 
 
 def cache_dir() -> Path:
@@ -53,8 +53,9 @@ def compiler() -> str | None:
 
 
 def extra_flags() -> tuple[str, ...]:
-    """``$AGENTSERVE_KERNEL_CFLAGS``, split like a shell would: compiler flags after the built-in ones (part of the
-    cache key).  ``-mno-avx512f`` builds the AVX2 products on an AVX-512 CPU (the other CPU class's code)."""
+    """``$AGENTSERVE_KERNEL_CFLAGS``, split like a shell would: flags for each compile after the built-in ones (not
+    for the link; part of the cache key).  ``-mno-avx512f`` builds the AVX2 products on an AVX-512 CPU (the other
+    CPU class's code).  Unbalanced quotes raise ``ValueError``."""
     return tuple(shlex.split(os.environ.get(CFLAGS_ENV, "")))
 
 
@@ -78,13 +79,14 @@ def _run(cmd: list[str]) -> str | None:
     return None if done.returncode == 0 else f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}"
 
 
-def _build(cc: str, out: Path) -> None:
-    """Compile into ``out`` atomically (concurrent builders each write temporary files, then rename)."""
+def _build(cc: str, flags: tuple[str, ...], out: Path) -> None:
+    """Compile with the extra ``flags`` into ``out`` atomically (concurrent builders each write temporary files,
+    then rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs, lib = [Path(tmp) / f"{src.stem}.o" for src in SOURCES], Path(tmp) / LIBRARY
         for extra in ((OPENMP,), ()):
-            error = next(filter(None, (_run([cc, *COMPILE, *extra_flags(), *extra, str(src), "-o", str(obj)])
+            error = next(filter(None, (_run([cc, *COMPILE, *flags, *extra, str(src), "-o", str(obj)])
                                        for src, obj in zip(SOURCES, objs, strict=True))), None)
             error = error or _run([cc, *LINK, *extra, *map(str, objs), "-o", str(lib), "-lm"])
             if error is None:
@@ -125,21 +127,23 @@ def _library() -> ctypes.CDLL | None:
         log.warning("no C compiler (cc, gcc or clang) found: CPU decode runs on the PyTorch path")
         return None
     try:
+        flags = extra_flags()  # read once: the key and the build must agree
         key = hashlib.sha256(
-            "\0".join([*(src.read_text() for src in SOURCES), _version(cc), *COMPILE, *extra_flags(), *LINK, OPENMP,
+            "\0".join([*(src.read_text() for src in SOURCES), _version(cc), *COMPILE, *flags, *LINK, OPENMP,
                        _cpu_flags(), *platform.libc_ver()]).encode()
         ).hexdigest()[:16]
         path = cache_dir() / key / LIBRARY
         if not path.exists():
             log.info("building the CPU library (paged decode attention, fused decode step) with %s into %s", cc,
                      path)
-            _build(cc, path)
+            _build(cc, flags, path)
         return _open(path)
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
         log.warning("the CPU library is unavailable (%s): CPU decode runs on the PyTorch path", e)
         return None
 
 
 def forget() -> None:
     """Drop the remembered load (tests: the next :func:`library` looks again)."""
-    _library.cache_clear()
+    with _LOADING:
+        _library.cache_clear()

@@ -187,35 +187,46 @@ import json, sys, torch
 from agentserve.executor.fused.step import instruction_set
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
-prompts, tables = [[5, 9, 14, 3, 77, 21], [8, 8, 40]], [[0, 1, 2], [3, 4]]
-logits = {}
-for step in ("fused", "torch"):
-    runner = ModelRunner(sys.argv[1], device="cpu", dtype="float32", num_blocks=8, block_size=4, weights="hybrid",
-                         decode_step=step)
+def logits(path, step, weights, kv, threads):
+    runner = ModelRunner(path, device="cpu", dtype="float32", num_blocks=12, block_size=4, weights=weights,
+                         kv_cache_dtype=kv, decode_step=step)
+    prompts, tables = [[5, 9, 14, 3, 77, 21], [8, 8, 40], [60, 2]], [[0, 1, 2], [3, 4], [5, 6]]
     last = runner.prefill([PrefillChunk(p, 0, t) for p, t in zip(prompts, tables)])
     lens, out = [len(p) for p in prompts], []
+    torch.set_num_threads(threads)
     for _ in range(5):
         last = runner.decode([DecodeItem(int(x), n, t) for x, n, t in zip(last.argmax(-1), lens, tables)])
         lens = [n + 1 for n in lens]
         out.append(last)
-    logits[step] = torch.stack(out)
-    if step == "fused":
-        isa = instruction_set(runner.attention.decode_kernel)
-print(json.dumps({"isa": isa, "fused": logits["fused"].tolist(), "torch": logits["torch"].tolist()}))
+    torch.set_num_threads(1)
+    return torch.stack(out).tolist(), instruction_set(runner.attention.decode_kernel)
+
+runs = []
+for path in sys.argv[1:]:
+    for weights, kv in (("fp16", "float16"), ("hybrid", "float32")):
+        ref, _ = logits(path, "torch", weights, kv, 1)
+        for threads in (1, 2):
+            got, isa = logits(path, "fused", weights, kv, threads)
+            runs.append({"case": [path, weights, kv, threads], "isa": isa, "fused": got, "torch": ref})
+print(json.dumps(runs))
 """
 
 
-def test_the_avx2_products_match_the_pytorch_step_on_either_cpu_class(bf16_paths, tmp_path):
+def test_the_avx2_products_match_the_pytorch_step_on_either_cpu_class(bf16_paths, odd_path, tmp_path):
     """CI machines are AVX2-only or AVX-512 EPYCs, and each compiles only its own branch of the products: here the
     AVX2 one is built (``-mno-avx512f`` in ``AGENTSERVE_KERNEL_CFLAGS``, a fresh cache, a fresh process) and checked
-    on whichever class this is, with the native build checked by the tests above."""
+    on whichever class this is — fp16 and bf16 matrices (the branch each CPU class's ``auto`` reads), fp16 and fp32
+    caches, an odd batch, one and two threads, and sizes that take every tail loop — with the native build
+    checked by the tests above."""
     env = {**os.environ, build.DIR_ENV: str(tmp_path), build.CFLAGS_ENV: "-mno-avx512f"}
-    done = subprocess.run([sys.executable, "-c", _OTHER_CLASS, str(bf16_paths["qwen2_tied_bias"])], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _OTHER_CLASS, str(bf16_paths["qwen2_tied_bias"]), str(odd_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["isa"] == "AVX2"
-    fused, ref = torch.tensor(got["fused"]), torch.tensor(got["torch"])
-    assert rel_err(fused, ref) < REL_TOL and torch.equal(fused.argmax(-1), ref.argmax(-1))
-    assert rel_err(fused, ref) > 0
+    runs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(runs) == 8
+    for run in runs:
+        assert run["isa"] == "AVX2", run["case"]
+        fused, ref = torch.tensor(run["fused"]), torch.tensor(run["torch"])
+        assert rel_err(fused, ref) < REL_TOL and torch.equal(fused.argmax(-1), ref.argmax(-1)), run["case"]
+        assert rel_err(fused, ref) > 0, run["case"]
     assert list(tmp_path.glob("*/paged_decode.so")), "the AVX2 build went into the fresh cache"

@@ -176,6 +176,14 @@ def test_without_a_working_compiler_auto_falls_back_and_cpu_kernel_says_why(fres
     assert cpu_kernel.load() is None and "no C compiler" in caplog.text
 
 
+def test_bad_extra_compiler_flags_fall_back_like_a_failed_build(fresh_build, monkeypatch, caplog):
+    monkeypatch.setenv(build.CFLAGS_ENV, '-O2 "unbalanced')  # shlex cannot split it
+    assert cpu_kernel.load() is None and "unavailable" in caplog.text
+    build.forget()
+    monkeypatch.setenv(build.CFLAGS_ENV, "-fno-such-flag-anywhere")  # the compiler refuses it
+    assert cpu_kernel.load() is None and list(fresh_build.rglob("*.so")) == []
+
+
 def test_runner_with_the_kernel_matches_transformers(case, kernel):
     """Sequences of different lengths in scattered blocks, decoded as one batch through the kernel."""
     runner = ModelRunner(case.path, dtype="float32", device="cpu", num_blocks=48, block_size=8,
