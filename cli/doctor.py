@@ -100,7 +100,7 @@ def cpu_engine() -> str:
     """What ``dtype = auto`` and ``weights = auto`` run on this CPU for a bf16 checkpoint, and why."""
     import torch
 
-    from agentserve.executor.attention import cpu_decode_kernel
+    from agentserve.executor.attention import cpu_decode_kernel, cpu_prefill_kernel
     from agentserve.executor.fused.step import instruction_set
     from agentserve.executor.fused.step import why_not as fused_why_not
     from agentserve.executor.linear import choose_format
@@ -116,6 +116,9 @@ def cpu_engine() -> str:
     cache += f", fused C decode step ({instruction_set(kernel)})" if fused else ", PyTorch decode step"
     hybrid_decode = ("the checkpoint's bf16 values with fp32 sums for decode" if fused
                      else "packed fp16 for decode")  # the fused step reads a hybrid matrix's bf16 copy
+    prefill, _ = cpu_prefill_kernel("auto", "auto", 8, 2, 64, 16, cpu, fp32, fmt == "hybrid")
+    cache += (", bf16 prefill attention (compiled, AVX512-BF16)" if prefill
+              else ", fp32 prefill attention (PyTorch)")
     return {
         "dense": "fp32 activations, dense fp32 matrices (no FBGEMM fp16 kernel in this build/CPU)",
         "hybrid": f"fp32 activations, hybrid matrices: bf16 products for prefill chunks (native bf16), {hybrid_decode}",

@@ -51,6 +51,7 @@ def _runner_kwargs(engine: dict[str, Any], path: Any, prompts: list[list[int]], 
         "block_size": int(engine["block_size"]),
         "attention_backend": engine["attention_backend"],
         "decode_step": engine["decode_step"],
+        "prefill_attention": engine["prefill_attention"],
         "max_model_len": context,
     }
     if float(engine["kv_cache_memory_gb"]) > 0:

@@ -81,6 +81,7 @@ RUNNER_OPTIONS: tuple[tuple[str, type], ...] = (
     ("max_model_len", int),
     ("cuda_graphs", str),
     ("decode_step", str),
+    ("prefill_attention", str),
     ("memory_utilization", float),
     ("profile_tokens", int),
 )
@@ -206,7 +207,8 @@ class Executor:
             ladder=list(self.backend.ladder),
             device=f"{r.device} {self.backend.device} {dtype}, {r.weight_format} matrices, "
                    f"{str(r.kv_dtype).removeprefix('torch.')} KV"
-                   + (", fused decode step" if r.fused_decode is not None else ""),
+                   + (", fused decode step" if r.fused_decode is not None else "")
+                   + (", bf16 prefill attention" if r.prefill_kernel is not None else ""),
             model=model,
         )
 

@@ -16,6 +16,7 @@ import torch
 
 from agentserve.executor.attention import AttentionBatch, cpu_decode_kernel, create_backend
 from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
+from agentserve.executor.attention.cpu_prefill import PagedPrefillKernel
 from agentserve.executor.checkpoint import ModelConfig, load_config, load_weights
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
 from agentserve.executor.fused.step import MATRICES as FUSED_MATRICES
@@ -149,6 +150,7 @@ class ModelRunner(RunnerGraphs):
         kv_cache_dtype: str = "auto",
         cuda_graphs: str = "auto",
         decode_step: str = "auto",
+        prefill_attention: str = "auto",
         memory_utilization: float = MEMORY_UTILIZATION,
         profile_tokens: int = PROFILE_TOKENS,
     ) -> None:
@@ -174,7 +176,7 @@ class ModelRunner(RunnerGraphs):
                                          kernel is not None and kernel.reads_f16)
         self.attention = create_backend(
             attention_backend, config.num_heads, config.num_kv_heads, config.head_dim, block_size, self.device,
-            self.dtype, self.kv_dtype,
+            self.dtype, self.kv_dtype, prefill_attention, "hybrid" in self.model.weight_formats,
         )
         self.fused_decode = self._fused_decode(decode_step)
         self.num_blocks = num_blocks or self._default_num_blocks(kv_cache_bytes)
@@ -290,6 +292,11 @@ class ModelRunner(RunnerGraphs):
         finally:
             for layer in (*self.kv_cache.k, *self.kv_cache.v):
                 layer[table].zero_()
+
+    @property
+    def prefill_kernel(self) -> PagedPrefillKernel | None:
+        """The compiled bf16 prefill-attention kernel the attention backend runs, or None."""
+        return getattr(self.attention, "prefill_kernel", None)
 
     @property
     def weight_format(self) -> str:

@@ -51,7 +51,8 @@ def test_wheel_carries_every_module(tmp_path: Path) -> None:
     missing = _source_files() - names
     assert not missing, f"wheel lacks: {sorted(missing)}"
     assert "agentserve/executor/__init__.py" in names
-    assert {"agentserve/executor/attention/paged_decode.c", "agentserve/executor/fused/decode_step.c"} <= names
+    assert {"agentserve/executor/attention/paged_decode.c", "agentserve/executor/attention/paged_prefill.c",
+            "agentserve/executor/fused/decode_step.c"} <= names
 
 
 def test_every_python_folder_is_mapped() -> None:

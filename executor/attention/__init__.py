@@ -3,7 +3,10 @@
 ``auto``: on a CPU, PyTorch attention with the compiled paged-decode kernel for fp32 decode where it builds
 (:mod:`.cpu_kernel`); on CUDA, FlashInfer where it is installed, else the Triton kernels, else PyTorch.
 ``torch``: PyTorch only (the reference). ``cpu-kernel``: as ``auto`` on a CPU, but an error where the kernel
-cannot be used. ``triton`` (:mod:`.triton_backend`) and ``flashinfer`` (:mod:`.flashinfer_backend`): those
+cannot be used.  Prefill attention on a CPU (``prefill_attention``, :func:`cpu_prefill_kernel`): ``auto`` runs
+the compiled bf16 kernel (:mod:`.cpu_prefill`) where the CPU has AVX512-BF16 and the model's matrices already
+multiply prefill rows in bf16 (hybrid), ``bf16`` wherever the kernel runs, ``torch`` PyTorch's fp32 flash
+attention. ``triton`` (:mod:`.triton_backend`) and ``flashinfer`` (:mod:`.flashinfer_backend`): those
 paged kernels, or an error saying why they cannot run here.
 """
 
@@ -11,7 +14,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -20,17 +24,29 @@ from agentserve.executor.errors import EngineError
 
 if TYPE_CHECKING:
     from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
+    from agentserve.executor.attention.cpu_prefill import PagedPrefillKernel
 
 BACKENDS = ("auto", "torch", "cpu-kernel", "triton", "flashinfer")
+
+
+class _Kernel(Protocol):
+    def supports(self, heads: int, kv_heads: int, dim: int, block_size: int) -> bool: ...
+
+
+K = TypeVar("K", bound=_Kernel)
+PREFILL_ATTENTION = ("auto", "bf16", "torch")
 log = logging.getLogger(__name__)
 
 
 def create_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device,
-    dtype: torch.dtype, cache_dtype: torch.dtype | None = None,
+    dtype: torch.dtype, cache_dtype: torch.dtype | None = None, prefill: str = "auto", bf16_rows: bool = False,
 ) -> AttentionBackend:
     """Instantiate the attention backend called ``name`` for ``dtype`` activations on ``device`` over a KV cache
-    of ``cache_dtype`` (default: ``dtype``; PyTorch and the compiled CPU kernel also take fp16 beside fp32)."""
+    of ``cache_dtype`` (default: ``dtype``; PyTorch and the compiled CPU kernel also take fp16 beside fp32).
+
+    ``prefill``: the ``prefill_attention`` setting; ``bf16_rows``: the model's matrices multiply prefill rows in
+    bf16 (what ``auto`` asks before it attends them in bf16 too)."""
     cache_dtype = dtype if cache_dtype is None else cache_dtype
     if cache_dtype != dtype and (device.type != "cpu" or name in ("triton", "flashinfer")):
         raise EngineError(f"attention backend {name!r} on {device.type} needs the KV cache in the model dtype")
@@ -53,7 +69,12 @@ def create_backend(
 
     kernel = None if name == "torch" else _decode_kernel(name, num_heads, num_kv_heads, head_dim, block_size,
                                                           device, dtype, cache_dtype)
-    return TorchAttention(num_heads, num_kv_heads, head_dim, block_size, device, decode_kernel=kernel)
+    prefill_kernel, why = cpu_prefill_kernel(prefill, name, num_heads, num_kv_heads, head_dim, block_size, device,
+                                             dtype, bf16_rows)
+    if device.type == "cpu":
+        log.info("prefill attention: %s", "the compiled bf16 kernel" if prefill_kernel else f"PyTorch fp32 ({why})")
+    return TorchAttention(num_heads, num_kv_heads, head_dim, block_size, device, decode_kernel=kernel,
+                          prefill_kernel=prefill_kernel)
 
 
 def installed(module: str) -> bool:
@@ -80,17 +101,47 @@ def _require_triton(device: torch.device) -> None:
 def cpu_decode_kernel(name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                       device: torch.device, dtype: torch.dtype) -> tuple[PagedDecodeKernel | None, str]:
     """The compiled CPU decode kernel that backend ``name`` runs for this model, or None and why not."""
+    from agentserve.executor.attention import cpu_kernel
+
+    return _compiled(cpu_kernel.load, "it could not be built (see the log)", name,
+                     (num_heads, num_kv_heads, head_dim, block_size), device, dtype)
+
+
+def cpu_prefill_kernel(setting: str, name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                       device: torch.device, dtype: torch.dtype,
+                       bf16_rows: bool) -> tuple[PagedPrefillKernel | None, str]:
+    """The compiled bf16 prefill kernel under ``prefill_attention = setting`` with attention backend ``name``, or
+    None and why not.  ``bf16`` where it cannot run raises :class:`EngineError`."""
+    from agentserve.executor.attention import cpu_prefill
+
+    if setting not in PREFILL_ATTENTION:
+        raise EngineError(f"unknown prefill_attention {setting!r}; available: {', '.join(PREFILL_ATTENTION)}")
+    kernel, why = None, "prefill_attention torch"
+    if setting != "torch":
+        kernel, why = _compiled(cpu_prefill.load, "this CPU has no AVX512-BF16 dot products, or the CPU library "
+                                "could not be built (see the log)", name, (num_heads, num_kv_heads, head_dim,
+                                                                          block_size), device, dtype)
+    if setting == "bf16" and kernel is None:
+        raise EngineError(f"prefill_attention 'bf16' is unavailable: {why}")
+    if setting == "auto" and kernel is not None and not bf16_rows:
+        kernel, why = None, "the matrices multiply prefill rows in fp32 (bf16 wherever they are hybrid)"
+    return kernel, why
+
+
+def _compiled(load: Callable[[], K | None], unavailable: str, name: str, shape: tuple[int, int, int, int],
+              device: torch.device, dtype: torch.dtype) -> tuple[K | None, str]:
+    """A compiled CPU kernel (``load``) where backend ``name`` runs it for a float32 model of ``shape`` (heads, KV
+    heads, head size, block size) on the CPU, or None and why not."""
     if name not in ("auto", "cpu-kernel"):
         return None, f"attention backend {name!r}"
     if device.type != "cpu" or dtype != torch.float32:
         return None, "it needs a float32 model on the CPU"
-    from agentserve.executor.attention import cpu_kernel
-
-    if (kernel := cpu_kernel.load()) is None:
-        return None, "it could not be built (see the log)"
-    if not kernel.supports(num_heads, num_kv_heads, head_dim, block_size):
-        return None, (f"{num_heads} heads / {num_kv_heads} KV heads of size {head_dim} in blocks of {block_size} "
-                      "are beyond its limits")
+    if (kernel := load()) is None:
+        return None, unavailable
+    if not kernel.supports(*shape):
+        heads, kv_heads, dim, block_size = shape
+        return None, (f"{heads} heads / {kv_heads} KV heads of size {dim} in blocks of {block_size} are beyond its "
+                      "limits")
     return kernel, ""
 
 
@@ -108,4 +159,5 @@ def _decode_kernel(name: str, num_heads: int, num_kv_heads: int, head_dim: int, 
     return kernel
 
 
-__all__ = ["AttentionBackend", "AttentionBatch", "create_backend", "cpu_decode_kernel", "BACKENDS"]
+__all__ = ["AttentionBackend", "AttentionBatch", "create_backend", "cpu_decode_kernel", "cpu_prefill_kernel",
+           "BACKENDS", "PREFILL_ATTENTION"]

@@ -12,8 +12,10 @@ Prefill on CUDA calls SDPA with 4-D ``[1, heads, L, D]`` queries against ``[1, k
 never repeated per query head.  On CPU it calls SDPA's flash kernel directly with each KV head's query group
 folded into rows (K/V read once per group), in query blocks of at most :data:`CPU_ROW_BLOCK` rows: each
 block attends every key before its first row (cached prefix, earlier rows) unmasked and its own rows' keys
-under an additive causal mask the size of the block, the two merged by log-sum-exp.  The Triton backend
-(:mod:`.triton_backend`) replaces this path on CUDA by default.
+under an additive causal mask the size of the block, the two merged by log-sum-exp — or, where a prefill kernel
+was given (:mod:`.cpu_prefill`: bf16 dot products on AVX512-BF16 CPUs), each chunk of more than one token
+attends its keys in place through that kernel.  The Triton backend (:mod:`.triton_backend`) replaces this path
+on CUDA by default.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from agentserve.executor.attention.base import AttentionBackend, AttentionBatch
 
 if TYPE_CHECKING:
     from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
+    from agentserve.executor.attention.cpu_prefill import PagedPrefillKernel
 
 CPU_ROW_BLOCK = 256  # query rows per block: each block's causal mask covers its own rows' keys only
 
@@ -41,6 +44,7 @@ class _Chunk:
     end: int
     start: int  # tokens of this sequence cached before the chunk
     blocks: torch.Tensor | None  # cached blocks to gather (None: no prefix, use the chunk's own k/v)
+    kernel: bool = False  # attended by the prefill kernel (``blocks`` then covers the chunk's own keys too)
 
 
 class GatherBuffers:
@@ -68,6 +72,7 @@ class _PrefillPlan:
     decode_rows: torch.Tensor | None = None  # rows of one-token continuations, attended as a decode batch
     decode: _DecodePlan | None = None
     buffers: GatherBuffers | None = None  # reused gathers (CUDA), else None
+    threads: int = 1  # intra-op threads of the planning (= running) lane thread, for the prefill kernel
 
 
 @dataclass
@@ -139,12 +144,13 @@ class TorchAttention(AttentionBackend):
 
     def __init__(self, *args, sdpa_prefill: bool | None = None, cascade_decode: bool | None = None,
                  reuse_gathers: bool | None = None, decode_kernel: PagedDecodeKernel | None = None,
-                 **kwargs) -> None:
+                 prefill_kernel: PagedPrefillKernel | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.group = self.num_heads // self.num_kv_heads
         self.sdpa_prefill = self.device.type == "cuda" if sdpa_prefill is None else sdpa_prefill
         self.reuse_gathers = self.device.type == "cuda" if reuse_gathers is None else reuse_gathers
         self.decode_kernel = decode_kernel  # fp32 CPU caches only: the caller checks
+        self.prefill_kernel = prefill_kernel  # fp32 CPU queries, chunks of more than one token: the caller checks
         # cascade needs the log-sum-exp of each partial attention: CPU's flash kernel returns it
         self.cascade_decode = self.device.type == "cpu" if cascade_decode is None else cascade_decode
         self.cascade_decode &= decode_kernel is None  # the kernel walks a batch's shared prefix once itself
@@ -160,13 +166,14 @@ class TorchAttention(AttentionBackend):
             if qlen == 1 and start > 0:  # a decode riding in a mixed step
                 decodes.append((i, begin))
             else:
-                blocks = None
-                if start > 0:
+                blocks, kernel = None, self.prefill_kernel is not None and qlen > 1
+                if start > 0 or kernel:
                     n = -(-(start + qlen) // self.block_size)
                     blocks = torch.tensor(table[:n], dtype=torch.int64).to(self.device, non_blocking=True)
-                chunks.append(_Chunk(begin, begin + qlen, start, blocks))
+                chunks.append(_Chunk(begin, begin + qlen, start, blocks, kernel))
             begin += qlen
-        plan = _PrefillPlan(slots, chunks, buffers=GatherBuffers() if self.reuse_gathers else None)
+        plan = _PrefillPlan(slots, chunks, buffers=GatherBuffers() if self.reuse_gathers else None,
+                            threads=torch.get_num_threads())
         if decodes:
             idx = [i for i, _ in decodes]
             sub = AttentionBatch(True, [1] * len(idx), [batch.start_pos[i] for i in idx],
@@ -206,6 +213,10 @@ class TorchAttention(AttentionBackend):
             return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         for i, c in enumerate(meta.chunks):
+            if c.kernel:
+                out[c.begin : c.end] = self.prefill_kernel.run(q[c.begin : c.end].contiguous(), k_cache, v_cache,
+                                                               c.blocks, c.start, self.scale, meta.threads)
+                continue
             ck, cv = k[c.begin : c.end], v[c.begin : c.end]
             if c.blocks is not None:
                 ck = _gather(k_cache, c.blocks, meta.buffers, ("k", i))[: c.end - c.begin + c.start]

@@ -1,8 +1,10 @@
-"""The compiled CPU library: ``attention/paged_decode.c`` (paged decode attention) and ``fused/decode_step.c``
-(the fused decode step, which calls the first), built once per machine with the system C compiler into one
-shared object (``paged_decode.so``), then loaded through ctypes by their Python wrappers
+"""The compiled CPU library: ``attention/paged_decode.c`` (paged decode attention), ``fused/decode_step.c``
+(the fused decode step, which calls the first) and ``attention/paged_prefill.c`` (prefill attention on bf16
+dot-product units, where the CPU has them), built once per machine with the system C compiler into one shared
+object (``paged_decode.so``), then loaded through ctypes by their Python wrappers
 (:class:`~agentserve.executor.attention.cpu_kernel.PagedDecodeKernel`,
-:class:`~agentserve.executor.fused.step.FusedDecodeStep`).
+:class:`~agentserve.executor.fused.step.FusedDecodeStep`,
+:class:`~agentserve.executor.attention.cpu_prefill.PagedPrefillKernel`).
 
 The sources are plain C (no PyTorch headers), so they build in about a second.  The shared object is cached
 under ``<cache>/<hash>/``: the hash covers the sources, the compiler's version, the flags, the CPU's feature
@@ -31,7 +33,8 @@ from agentserve import configs
 log = logging.getLogger(__name__)
 
 _EXECUTOR = Path(__file__).parents[1]
-SOURCES = (_EXECUTOR / "attention" / "paged_decode.c", _EXECUTOR / "fused" / "decode_step.c")
+SOURCES = (_EXECUTOR / "attention" / "paged_decode.c", _EXECUTOR / "fused" / "decode_step.c",
+           _EXECUTOR / "attention" / "paged_prefill.c")
 LIBRARY = "paged_decode.so"  # the file name inside its cache folder
 # -ffast-math (vectorised expf, reassociated sums) only when compiling: on the link line gcc would add
 # crtfastmath.o, which flushes subnormals to zero for the whole process as soon as the library loads.
@@ -134,8 +137,8 @@ def _library() -> ctypes.CDLL | None:
         ).hexdigest()[:16]
         path = cache_dir() / key / LIBRARY
         if not path.exists():
-            log.info("building the CPU library (paged decode attention, fused decode step) with %s into %s", cc,
-                     path)
+            log.info("building the CPU library (paged decode and prefill attention, fused decode step) with %s into %s",
+                     cc, path)
             _build(cc, flags, path)
         return _open(path)
     except (OSError, subprocess.SubprocessError, ValueError) as e:

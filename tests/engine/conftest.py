@@ -1,9 +1,13 @@
-"""Session fixtures: one tiny transformers checkpoint per architecture case, and the oracle's outputs."""
+"""Session fixtures: one tiny transformers checkpoint per architecture case (fp32, and saved in bf16), and the
+oracle's outputs."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import transformers
 from engine_helpers import MAX_NEW, PROMPT_LENGTHS, SPECS, build_hf_model, hf_greedy, random_prompts, save_checkpoint
 
 
@@ -42,3 +46,15 @@ def cases(tmp_path_factory) -> dict[str, Case]:
 @pytest.fixture(params=list(SPECS))
 def case(request, cases) -> Case:
     return cases[request.param]
+
+
+@pytest.fixture(scope="session")
+def bf16_checkpoints(cases, tmp_path_factory):
+    """Each case saved in bf16 (as most published checkpoints are), and transformers on it in fp32."""
+    root, out = tmp_path_factory.mktemp("bf16_ckpt"), {}
+    for name, case in cases.items():
+        path = root / name
+        copy.deepcopy(case.hf).to(torch.bfloat16).save_pretrained(path)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        out[name] = (path, hf)
+    return out

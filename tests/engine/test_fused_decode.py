@@ -3,7 +3,6 @@ on every architecture case and on shapes that take its tail loops; its refusals 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -35,12 +34,8 @@ pytestmark = pytest.mark.skipif(not _fused_runs_here(), reason="no FBGEMM, C com
 
 
 @pytest.fixture(scope="module")
-def bf16_paths(cases, tmp_path_factory):
-    root, out = tmp_path_factory.mktemp("fused_bf16"), {}
-    for name, case in cases.items():
-        copy.deepcopy(case.hf).to(torch.bfloat16).save_pretrained(root / name)
-        out[name] = root / name
-    return out
+def bf16_paths(bf16_checkpoints):
+    return {name: path for name, (path, _) in bf16_checkpoints.items()}
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from engine_helpers import (
+    BF16_TOL,
     COMMON,
     MAX_NEW,
     REL_TOL,
@@ -39,19 +40,6 @@ from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk, pr
 needs_fbgemm = pytest.mark.skipif(not fp16_packing_available(), reason="no FBGEMM fp16 linear in this build/CPU")
 F32 = torch.float32
 AUTO_16BIT = "hybrid" if cpu_has_fast_bf16() else "fp16"  # what auto makes of a bf16 checkpoint's matrices here
-BF16_TOL = 3e-2  # prefill logits through bf16 products (activations rounded to 8 significant bits)
-
-
-@pytest.fixture(scope="module")
-def bf16_checkpoints(cases, tmp_path_factory):
-    """Each case saved in bf16 (as most published checkpoints are), and transformers on it in fp32."""
-    root, out = tmp_path_factory.mktemp("bf16_ckpt"), {}
-    for name, case in cases.items():
-        path = root / name
-        copy.deepcopy(case.hf).to(torch.bfloat16).save_pretrained(path)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        out[name] = (path, hf)
-    return out
 
 
 @needs_fbgemm

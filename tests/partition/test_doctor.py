@@ -91,6 +91,7 @@ def test_doctor_names_the_cpu_engine_auto_runs_on_this_cpu_class(monkeypatch: py
     """Both CPU classes, whichever this machine is: native bf16 → hybrid matrices, else packed fp16."""
     from agentserve.cli import doctor as doctor_module
     from agentserve.executor import linear
+    from agentserve.executor.attention import cpu_prefill
 
     for native, words in ((True, "hybrid matrices"), (False, "packed fp16 matrices")):
         monkeypatch.setattr(linear, "cpu_has_fast_bf16", lambda native=native: native)
@@ -102,5 +103,8 @@ def test_doctor_names_the_cpu_engine_auto_runs_on_this_cpu_class(monkeypatch: py
             assert not fused or re.search(r"fused C decode step \((AVX-512|AVX2)\)", engine), engine
             assert ("bf16 values with fp32 sums for decode" in engine) == fused
             assert ("packed fp16 for decode" in engine) == (not fused)
+        bf16_attention = native and cpu_prefill.load() is not None  # the kernel needs AVX512-BF16 itself
+        assert ("bf16 prefill attention" in engine) == bf16_attention
+        assert ("fp32 prefill attention (PyTorch)" in engine) == (not bf16_attention)
     result = CliRunner().invoke(doctor, ["--partition", "cpu-cores"])
     assert "cpu engine  fp32 activations" in result.output

@@ -1,0 +1,312 @@
+/* Paged prefill attention on AVX512-BF16 CPUs: the rows of one prefill chunk (fp32 queries) attend their
+ * sequence's cached keys and values, read from the paged cache (fp16 or fp32) and multiplied on the CPU's
+ * bf16 dot-product units with fp32 accumulation (VDPBF16PS: 32 multiply-adds per instruction, twice the fp32
+ * FMA rate).  For the rows a hybrid matrix already multiplies in bf16 (prefill chunks), the same rounding.
+ *
+ * Layouts (all contiguous):
+ *   q, out        [n, heads, dim]            the chunk's n tokens, at positions start .. start + n - 1
+ *   k/v cache     [num_blocks, block_size, kv_heads, dim]   the chunk's own keys already written
+ *   table         [width]                    the sequence's block ids, the first ceil((start + n) / bs) used
+ * Token i attends keys 0 .. start + i (causal, aligned to the last key).
+ *
+ * Per KV head, the keys and values it needs are first packed into bf16 tiles (the block table is read here
+ * only; the tiles are contiguous): keys in the dot product's layout, [16 keys][dim/2 pairs] transposed to
+ * [dim/2 pairs][16 keys] so that one instruction gives 16 keys' partial scores over two dims; values as
+ * [key pairs][dim] with the two keys of a pair interleaved, so that one instruction adds two keys' weighted
+ * values to 16 dims.  The query rows (every query head of the KV head's group, for each token) are then
+ * walked R at a time over tiles of 32 keys with an online softmax (FlashAttention's running maximum m,
+ * normaliser l and accumulator o, kept in registers for the whole walk):
+ *   m' = max(m, max_t s_t);  l' = l e^(m - m') + sum_t e^(s_t - m');  o' = o e^(m - m') + sum_t e^(s_t - m') v_t
+ * with the weights e^(s_t - m') rounded to bf16 for the product.  Work is split over OpenMP threads by
+ * (KV head, range of rows), several ranges per thread taken in turn (a later row attends more keys); a row's
+ * result never depends on `threads` or on the other rows.
+ * Compiled with -ffast-math; subnormals are flushed only inside the call.
+ */
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define HAVE_BF16_DOT 1
+#include <immintrin.h>
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+#define MAX_HEADS 128
+#define MAX_BLOCK 64
+#define TILE 32 /* keys per step of the walk: two vectors of 16 scores */
+#define QP_STRIDE 64 /* uint32 (bf16 pairs) per packed query row: dim <= 128 */
+
+/* 1 when this build has the bf16 dot-product kernel (the CPU has AVX512-BF16), else 0. */
+int paged_prefill_has_bf16(void) { return HAVE_BF16_DOT; }
+
+/* 1 when the kernel takes this model shape, else 0. */
+int paged_prefill_supports(int heads, int kv_heads, int dim, int block_size) {
+    return heads > 0 && kv_heads > 0 && heads <= MAX_HEADS && heads % kv_heads == 0 && dim % 16 == 0 && dim <= 128 &&
+           block_size > 0 && block_size <= MAX_BLOCK;
+}
+
+#if HAVE_BF16_DOT
+#define INLINE static inline __attribute__((always_inline))
+
+/* Element i from p (fp16 when `f16`, else fp32). */
+#define AT(p, i) ((const void *)((const char *)(p) + (int64_t)(i) * (f16 ? 2 : 4)))
+
+/* 16 cache elements from p as floats (fp16 when `f16`, else fp32). */
+INLINE __m512 load16(const void *p, const int f16) {
+    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* One row of `dim` cache elements as dim/2 bf16 pairs (uint32 each: element 2j low, 2j + 1 high). */
+INLINE void row_bf16(uint32_t *restrict dst, const void *restrict src, const int dim, const int f16) {
+    int d = 0;
+    for (; d + 32 <= dim; d += 32) {
+        const __m512 lo = load16((const char *)src + (int64_t)d * (f16 ? 2 : 4), f16);
+        const __m512 hi = load16((const char *)src + (int64_t)(d + 16) * (f16 ? 2 : 4), f16);
+        _mm512_storeu_si512(dst + d / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    if (d < dim) /* a last 16 */
+        _mm256_storeu_si256((__m256i *)(dst + d / 2),
+                            (__m256i)_mm512_cvtneps_pbh(load16((const char *)src + (int64_t)d * (f16 ? 2 : 4), f16)));
+}
+
+/* 16 or 32 cache elements from p (32 when `two`) as bf16 in one vector (the upper half zero for 16). */
+INLINE __m512i load_bf16(const void *p, const int two, const int f16) {
+    if (!two) return _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(load16(p, f16)));
+    return (__m512i)_mm512_cvtne2ps_pbh(load16((const char *)p + 16 * (f16 ? 2 : 4), f16), load16(p, f16));
+}
+
+/* Address of key/value `t` of KV head h: through the block table. */
+INLINE const void *token_at(const void *cache, const int64_t *table, int64_t t, int bs, int kv_heads, int h,
+                            const int dim, const int f16) {
+    const int64_t slot = table[t / bs] * bs + t % bs;
+    return (const char *)cache + ((slot * kv_heads + h) * (int64_t)dim) * (f16 ? 2 : 4);
+}
+
+/* Keys 0 .. nk - 1 of head h into kp: per tile of 16 keys, [dim/2 pairs][16 keys] uint32 (bf16 pairs); keys
+ * from nk up to the next multiple of TILE are zero (masked by the walk). */
+INLINE void pack_keys(uint32_t *restrict kp, const void *k_cache, const int64_t *table, int64_t nk, int bs,
+                      int kv_heads, int h, const int dim, const int f16) {
+    uint32_t rows[16][128 / 2] __attribute__((aligned(64)));
+    for (int64_t t0 = 0; t0 < (nk + TILE - 1) / TILE * TILE; t0 += 16) {
+        const int n = nk - t0 < 16 ? (int)(nk - t0) : 16;
+        for (int t = 0; t < 16; t++) {
+            if (t < n)
+                row_bf16(rows[t], token_at(k_cache, table, t0 + t, bs, kv_heads, h, dim, f16), dim, f16);
+            else
+                memset(rows[t], 0, sizeof(uint32_t) * dim / 2);
+        }
+        uint32_t *tile = kp + t0 * (dim / 2); /* (t0 / 16) * (dim / 2) * 16 */
+        for (int p = 0; p < dim / 2; p++) {
+            const __m512i idx = _mm512_set_epi32(15 * 64 + p, 14 * 64 + p, 13 * 64 + p, 12 * 64 + p, 11 * 64 + p,
+                                                 10 * 64 + p, 9 * 64 + p, 8 * 64 + p, 7 * 64 + p, 6 * 64 + p,
+                                                 5 * 64 + p, 4 * 64 + p, 3 * 64 + p, 2 * 64 + p, 64 + p, p);
+            _mm512_store_si512(tile + p * 16, _mm512_i32gather_epi32(idx, (const int *)rows, 4));
+        }
+    }
+}
+
+/* Values 0 .. nk - 1 of head h into vp: per pair of keys, [dim] uint32 whose low half is the first key's value
+ * and high half the second's (bf16); keys past nk are zero. */
+INLINE void pack_values(uint32_t *restrict vp, const void *v_cache, const int64_t *table, int64_t nk, int bs,
+                        int kv_heads, int h, const int dim, const int f16) {
+    /* interleave a (first key) and b (second key), 32 bf16 each, into 32 pairs: idx picks a[j], b[j] */
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const int64_t pairs = (nk + TILE - 1) / TILE * (TILE / 2);
+    for (int64_t kp = 0; kp < pairs; kp++) {
+        uint32_t *dst = vp + kp * dim;
+        for (int d = 0; d < dim; d += 32) {
+            const int two = d + 32 <= dim; /* 32 dims, else the last 16 */
+            __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+            const int64_t t = 2 * kp;
+            if (t < nk)
+                a = load_bf16(AT(token_at(v_cache, table, t, bs, kv_heads, h, dim, f16), d), two, f16);
+            if (t + 1 < nk)
+                b = load_bf16(AT(token_at(v_cache, table, t + 1, bs, kv_heads, h, dim, f16), d), two, f16);
+            _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, lo, b));
+            if (two) _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, hi, b));
+        }
+    }
+}
+
+/* e^x for x <= 0 (lanes of -inf or far below give 0 or a negligible positive): 2^n * p(f), p a degree-6 fit
+ * of 2^f on [-0.5, 0.5] (relative error ~1e-7, far below the bf16 rounding the weights get next). */
+INLINE __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5353362e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6184875e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503324e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* R query rows (row r: qp + r * QP_STRIDE, dim/2 bf16 pairs, attending keys 0 .. last[r]) over the packed keys kp and
+ * values vp; writes the R rows of output to dst[r]. */
+INLINE void walk_rows(const uint32_t *restrict qp, const int64_t *last, const uint32_t *restrict kp,
+                      const uint32_t *restrict vp, float *const *dst, float scale, const int dim, const int R) {
+    __m512 o[4][8]; /* R * dim / 16 <= 16 accumulators */
+    float m[4], l[4];
+    int64_t most = 0, least = INT64_MAX;
+    for (int r = 0; r < R; r++) {
+        for (int c = 0; c < dim / 16; c++) o[r][c] = _mm512_setzero_ps();
+        m[r] = -FLT_MAX, l[r] = 0.0f;
+        most = last[r] > most ? last[r] : most;
+        least = last[r] < least ? last[r] : least;
+    }
+    uint32_t w[4][TILE / 2] __attribute__((aligned(64))); /* the tile's weights as bf16 pairs, per row */
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t t0 = 0; t0 <= most; t0 += TILE) {
+        __m512 s[4][2];
+        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+        const uint32_t *k0 = kp + t0 * (dim / 2), *k1 = k0 + 16 * (dim / 2);
+#pragma GCC unroll 8
+        for (int p = 0; p < dim / 2; p++) {
+            const __m512bh a = (__m512bh)_mm512_load_si512(k0 + p * 16), b = (__m512bh)_mm512_load_si512(k1 + p * 16);
+            for (int r = 0; r < R; r++) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)qp[r * QP_STRIDE + p]);
+                s[r][0] = _mm512_dpbf16_ps(s[r][0], x, a);
+                s[r][1] = _mm512_dpbf16_ps(s[r][1], x, b);
+            }
+        }
+        const int masked = t0 + TILE - 1 > least;
+        for (int r = 0; r < R; r++) {
+            __mmask16 v0 = 0xFFFF, v1 = 0xFFFF;
+            if (masked) {
+                const __m512i limit = _mm512_set1_epi32((int)(last[r] - t0 < TILE ? last[r] - t0 : TILE));
+                v0 = _mm512_cmple_epi32_mask(lane, limit);
+                v1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit);
+            }
+            const __m512 x0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));
+            const __m512 x1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));
+            const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
+            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(lowest, v0, x0),
+                                                                 _mm512_mask_mov_ps(lowest, v1, x1)));
+            const float mx = top > m[r] ? top : m[r];
+            const __m512 mv = _mm512_set1_ps(mx);
+            const __m512 p0 = _mm512_maskz_mov_ps(v0, exp_neg(_mm512_sub_ps(x0, mv)));
+            const __m512 p1 = _mm512_maskz_mov_ps(v1, exp_neg(_mm512_sub_ps(x1, mv)));
+            if (mx > m[r]) {
+                const __m512 c = exp_neg(_mm512_set1_ps(m[r] - mx));
+                l[r] *= _mm512_cvtss_f32(c);
+                for (int j = 0; j < dim / 16; j++) o[r][j] = _mm512_mul_ps(o[r][j], c);
+                m[r] = mx;
+            }
+            l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            _mm512_store_si512(w[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        const uint32_t *v = vp + (t0 / 2) * dim;
+#pragma GCC unroll 4
+        for (int j = 0; j < TILE / 2; j++) {
+            for (int c = 0; c < dim / 16; c++) {
+                const __m512bh y = (__m512bh)_mm512_load_si512(v + j * dim + c * 16);
+                for (int r = 0; r < R; r++)
+                    o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)_mm512_set1_epi32((int)w[r][j]), y);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int c = 0; c < dim / 16; c++) _mm512_storeu_ps(dst[r] + c * 16, _mm512_mul_ps(o[r][c], inv));
+    }
+}
+
+/* Every row of KV head h (rows ordered token by token, the group's query heads within a token), R at a time
+ * from row r0 to r1; the last block of rows repeats its last row to fill R (its copies are not written). */
+INLINE void attend_rows(const float *q, float *out, const uint32_t *kp, const uint32_t *vp, int64_t start, int heads,
+                        int group, int h, int64_t r0, int64_t r1, float scale, const int dim, const int R) {
+    uint32_t qp[4][QP_STRIDE] __attribute__((aligned(64)));
+    float scratch[128] __attribute__((aligned(64)));
+    for (int64_t r = r0; r < r1; r += R) {
+        int64_t last[4];
+        float *dst[4];
+        for (int i = 0; i < R; i++) {
+            const int64_t row = r + i < r1 ? r + i : r1 - 1, token = row / group;
+            const int64_t at = (token * heads + h * group + row % group) * dim;
+            row_bf16(qp[i], q + at, dim, 0);
+            last[i] = start + token;
+            dst[i] = r + i < r1 ? out + at : scratch;
+        }
+        walk_rows(qp[0], last, kp, vp, dst, scale, dim, R);
+    }
+}
+
+INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int64_t num_blocks,
+                         const int64_t *table, int width, int64_t start, int n, float *out, int heads, int kv_heads,
+                         int dim, int block_size, float scale, int threads, const int f16) {
+    if (!paged_prefill_supports(heads, kv_heads, dim, block_size)) return -1;
+    const int64_t nk = start + n, used = (nk + block_size - 1) / block_size;
+    if (n < 1 || start < 0 || used > width) return -2;
+    for (int64_t j = 0; j < used; j++)
+        if (table[j] < 0 || table[j] >= num_blocks) return -2;
+    const int group = heads / kv_heads, R = dim <= 64 ? 4 : 2; /* R * dim / 16 accumulators <= 16 */
+    const int64_t padded = (nk + TILE - 1) / TILE * TILE, per_head = padded * dim / 2; /* uint32 per head */
+    uint32_t *kp = aligned_alloc(64, sizeof(uint32_t) * per_head * kv_heads);
+    uint32_t *vp = aligned_alloc(64, sizeof(uint32_t) * per_head * kv_heads);
+    if (kp == NULL || vp == NULL) {
+        free(kp), free(vp);
+        return -3;
+    }
+    const int64_t rows = (int64_t)n * group, blocks = (rows + R - 1) / R;
+    /* row ranges per head: several per thread, taken in turn (later rows attend more keys: causal) */
+    const int64_t parts = threads > 1 ? (blocks < 8 * threads ? blocks : 8 * threads) : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040); /* FTZ | DAZ, this thread only */
+#pragma omp for schedule(static)
+        for (int h = 0; h < kv_heads; h++) {
+            pack_keys(kp + h * per_head, k_cache, table, nk, block_size, kv_heads, h, dim, f16);
+            pack_values(vp + h * per_head, v_cache, table, nk, block_size, kv_heads, h, dim, f16);
+        }
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int h = 0; h < kv_heads; h++)
+            for (int64_t part = 0; part < parts; part++) {
+                const int64_t r0 = blocks * part / parts * R, r1 = blocks * (part + 1) / parts * R;
+                const int64_t end = r1 < rows ? r1 : rows;
+                const uint32_t *hk = kp + h * per_head, *hv = vp + h * per_head;
+                if (dim == 64) /* the common sizes as constants: their loops unroll into whole vectors */
+                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, 64, 4);
+                else if (dim == 128)
+                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, 128, 2);
+                else if (dim <= 64)
+                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, dim, 4);
+                else
+                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, dim, 2);
+            }
+        _mm_setcsr(csr);
+    }
+    free(kp), free(vp);
+    return 0;
+}
+#else
+#define paged_prefill(...) (-4) /* no bf16 dot products in this build */
+#endif
+
+/* Returns 0; -1 for a shape paged_prefill_supports refuses, -2 for a chunk outside its table or a block id outside
+ * the cache (nothing is written then), -3 when the packed tiles cannot be allocated, -4 where the build has no
+ * bf16 dot products. */
+int paged_prefill_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t num_blocks,
+                      const int64_t *table, int width, int64_t start, int n, float *out, int heads, int kv_heads,
+                      int dim, int block_size, float scale, int threads) {
+    return paged_prefill(q, k_cache, v_cache, num_blocks, table, width, start, n, out, heads, kv_heads, dim,
+                         block_size, scale, threads, 1);
+}
+
+/* As paged_prefill_f16 over fp32 caches. */
+int paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                      const int64_t *table, int width, int64_t start, int n, float *out, int heads, int kv_heads,
+                      int dim, int block_size, float scale, int threads) {
+    return paged_prefill(q, k_cache, v_cache, num_blocks, table, width, start, n, out, heads, kv_heads, dim,
+                         block_size, scale, threads, 0);
+}

@@ -1,0 +1,184 @@
+"""The compiled bf16 prefill-attention kernel (AVX512-BF16 CPUs): equal, within the rounding of bf16 weights, to
+attention in float64 over the same bf16-rounded queries, keys and values, on random shapes, chunks and scattered
+block tables; a row's result independent of the chunk it is in and of the thread count; chosen by ``auto`` only
+where prefill rows already run in bf16; a clear error for bad input and for ``bf16`` where it cannot run.  On
+CPUs without AVX512-BF16 the kernel tests skip and the fallback tests run (the AVX2 build is checked on either
+class by building it with ``-mno-avx512bf16``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from engine_helpers import BF16_TOL, hf_logits, random_prompts, rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentserve.executor.attention import cpu_prefill, create_backend
+from agentserve.executor.errors import EngineError
+from agentserve.executor.kernels import build
+from agentserve.executor.runner import ModelRunner, PrefillChunk
+
+CPU = torch.device("cpu")
+F32 = torch.float32
+WEIGHTS_TOL = 4e-3  # vs float64 on the same bf16-rounded inputs: the softmax weights' own rounding to bf16
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_prefill.PagedPrefillKernel:
+    built = cpu_prefill.load()
+    if built is None:
+        pytest.skip("no AVX512-BF16 here (or no C compiler): prefill attention stays on PyTorch")
+    return built
+
+
+def bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, start: int,
+              scale: float) -> torch.Tensor:
+    """Causal attention of q [n, heads, dim] in float64 over the gathered keys, every input rounded to bf16."""
+    n, heads, dim = q.shape
+    group = heads // k_cache.shape[2]
+    keys = bf16(k_cache[table].flatten(0, 1)[: start + n])
+    vals = bf16(v_cache[table].flatten(0, 1)[: start + n])
+    out = torch.empty(n, heads, dim, dtype=torch.float64)
+    for i in range(n):
+        for h in range(heads):
+            s = keys[: start + i + 1, h // group] @ bf16(q[i, h]) * scale
+            out[i, h] = torch.softmax(s, 0) @ vals[: start + i + 1, h // group]
+    return out
+
+
+def random_case(kv_heads: int, group: int, dim: int, block_size: int, tokens: int, dtype: torch.dtype, seed: int,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Caches with spare blocks and a random, scattered table of the blocks ``tokens`` need (plus two unused)."""
+    g = torch.Generator().manual_seed(seed)
+    need = -(-tokens // block_size)
+    num_blocks = need + 5
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    table = torch.randperm(num_blocks, generator=g)[: need + 2].contiguous()
+    return k_cache, v_cache, table
+
+
+@settings(max_examples=60, deadline=None)
+@given(kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 4, 5]), dim=st.sampled_from([16, 32, 48, 64, 128]),
+       block_size=st.sampled_from([1, 5, 16]), start=st.integers(0, 90), n=st.integers(1, 70),
+       threads=st.integers(1, 3), f16=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_kernel_matches_float64_attention_on_its_bf16_inputs(kernel, kv_heads, group, dim, block_size, start, n,
+                                                                threads, f16, seed):
+    k_cache, v_cache, table = random_case(kv_heads, group, dim, block_size, start + n,
+                                          torch.float16 if f16 else F32, seed)
+    q = torch.randn(n, kv_heads * group, dim, generator=torch.Generator().manual_seed(seed + 1))
+    scale = dim**-0.5
+    got = kernel(q, k_cache, v_cache, table, start, scale, threads)
+    want = reference(q, k_cache, v_cache, table, start, scale)
+    assert ((got.double() - want).norm() / want.norm()).item() < WEIGHTS_TOL
+
+
+def test_a_row_does_not_depend_on_its_chunk_or_the_threads(kernel):
+    """Token 50 of a sequence attended as row 10 of a 40-token chunk from position 40, as row 50 of one chunk from
+    0, on 1 or 3 threads: bitwise the same (a sequence's numbers never depend on how it was split)."""
+    k_cache, v_cache, table = random_case(2, 4, 64, 16, 80, torch.float16, 3)
+    q = torch.randn(80, 8, 64, generator=torch.Generator().manual_seed(4))
+    whole = kernel(q, k_cache, v_cache, table, 0, 0.125, 1)
+    part = kernel(q[40:].contiguous(), k_cache, v_cache, table, 40, 0.125, 3)
+    assert torch.equal(whole[40:], part)
+    assert torch.equal(whole, kernel(q, k_cache, v_cache, table, 0, 0.125, 2))
+
+
+def test_bad_input_is_refused_with_a_clear_error(kernel):
+    k_cache, v_cache, table = random_case(2, 2, 32, 4, 20, F32, 5)
+    q = torch.randn(6, 4, 32)
+    with pytest.raises(ValueError, match="beyond"):  # 30 + 6 tokens need 9 blocks, the table has 7
+        kernel(q, k_cache, v_cache, table, 30, 0.2)
+    bad = table.clone()
+    bad[0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="block id outside"):
+        kernel(q, k_cache, v_cache, bad, 0, 0.2)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel(q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, table, 0, 0.2)
+    with pytest.raises(ValueError, match="mismatched"):
+        kernel(q[:, :, :16], k_cache, v_cache, table, 0, 0.2)
+    assert not kernel.supports(4, 2, 24, 4) and not kernel.supports(4, 2, 32, 128) and kernel.supports(4, 2, 32, 4)
+    odd = torch.randn(8, 4, 2, 24)
+    with pytest.raises(ValueError, match="does not take"):
+        kernel.run(torch.randn(3, 4, 24), odd, odd, table, 0, 0.2, 1)
+
+
+def prefill_kernel(setting: str, bf16_rows: bool, backend: str = "auto"):
+    return create_backend(backend, 4, 2, 32, 16, CPU, F32, torch.float16, setting, bf16_rows).prefill_kernel
+
+
+def test_auto_attends_in_bf16_only_where_prefill_rows_already_are(kernel):
+    assert prefill_kernel("auto", bf16_rows=True) is kernel
+    assert prefill_kernel("auto", bf16_rows=False) is None  # fp32 (or packed fp16) prefill products stay exact
+    assert prefill_kernel("bf16", bf16_rows=False) is kernel  # reachable by its flag on any matrices
+    assert prefill_kernel("torch", bf16_rows=True) is None
+
+
+def test_settings_that_cannot_run_fail_clearly():
+    with pytest.raises(EngineError, match="unknown prefill_attention"):
+        prefill_kernel("fast", bf16_rows=True)
+    with pytest.raises(EngineError, match="prefill_attention 'bf16' is unavailable: attention backend 'torch'"):
+        prefill_kernel("bf16", bf16_rows=True, backend="torch")
+    with pytest.raises(EngineError, match="prefill_attention 'bf16' is unavailable: it needs a float32 model"):
+        create_backend("auto", 4, 2, 32, 16, CPU, torch.bfloat16, None, "bf16", True)
+
+
+def test_a_hybrid_runner_prefills_through_the_kernel_within_bf16_tolerance(kernel, bf16_checkpoints):
+    """``auto`` on a hybrid model: chunks of more than one token attend through the kernel; logits of a whole
+    prompt and of the same prompt resumed in two chunks stay within the bf16 tolerance of transformers, and
+    differ from PyTorch's fp32 attention by no more than bf16 rounding."""
+    path, hf = bf16_checkpoints["qwen3_headdim"]  # head size 32
+    runs = {}
+    for setting in ("auto", "torch"):
+        runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64, block_size=8, weights="hybrid",
+                             prefill_attention=setting)
+        assert (runner.prefill_kernel is kernel) == (setting == "auto")
+        tokens = random_prompts([70], seed=21)[0]
+        whole = runner.prefill([PrefillChunk(tokens, 0, list(range(10)))], all_logits=True)[0]
+        runner.prefill([PrefillChunk(tokens[:45], 0, list(range(10, 20)))])
+        resumed = runner.prefill([PrefillChunk(tokens[45:], 45, list(range(10, 20)))], all_logits=True)[0]
+        assert rel_err(whole, hf_logits(hf, tokens)) < BF16_TOL
+        assert rel_err(resumed, whole[45:]) < BF16_TOL
+        runs[setting] = whole
+    assert 0 < rel_err(runs["auto"], runs["torch"]) < BF16_TOL  # the kernel ran (it rounds), and within bf16
+
+
+FALLBACK = r"""
+import json, sys
+from agentserve.executor.attention import cpu_prefill
+from agentserve.executor.errors import EngineError
+from agentserve.executor.kernels import build
+from agentserve.executor.runner import ModelRunner
+
+out = {"library": build.library() is not None, "kernel": cpu_prefill.load() is not None}
+runner = ModelRunner(sys.argv[1], dtype="float32", device="cpu", num_blocks=8, weights="hybrid")
+out["auto"] = runner.prefill_kernel is not None
+try:
+    ModelRunner(sys.argv[1], dtype="float32", device="cpu", num_blocks=8, weights="hybrid", prefill_attention="bf16")
+except EngineError as e:
+    out["bf16"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_without_avx512_bf16_auto_keeps_pytorch_and_bf16_fails_clearly(bf16_checkpoints, tmp_path):
+    """What CPUs without AVX512-BF16 run, checked on either class: the library built with ``-mno-avx512bf16`` (fresh
+    cache, fresh process) still builds, has no prefill kernel, ``auto`` keeps PyTorch and ``bf16`` says why."""
+    if build.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    path, _ = bf16_checkpoints["qwen3_headdim"]
+    env = {**os.environ, build.DIR_ENV: str(tmp_path), build.CFLAGS_ENV: "-mno-avx512bf16"}
+    done = subprocess.run([sys.executable, "-c", FALLBACK, str(path)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["library"] and not out["kernel"] and not out["auto"]
+    assert "no AVX512-BF16" in out["bf16"]
