@@ -86,11 +86,35 @@ INLINE const void *token_at(const void *cache, const int64_t *table, int64_t t, 
     return (const char *)cache + ((slot * kv_heads + h) * (int64_t)dim) * (f16 ? 2 : 4);
 }
 
+/* r[i] holds row i of a 16 x 16 matrix of 32-bit elements; afterwards r[i] holds column i. */
+INLINE void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) { /* pairs of rows, interleaved by element */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) /* quads of rows, interleaved by pairs */
+        for (int j = 0; j < 2; j++) {
+            r[i + 2 * j] = _mm512_unpacklo_epi64(t[i + j], t[i + 2 + j]);
+            r[i + 2 * j + 1] = _mm512_unpackhi_epi64(t[i + j], t[i + 2 + j]);
+        }
+    for (int i = 0; i < 16; i += 8) /* 128-bit lanes of two quads */
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + 4 + j], 0x88);
+            t[i + 4 + j] = _mm512_shuffle_i32x4(r[i + j], r[i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) { /* 128-bit lanes of the two halves */
+        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
 /* Keys 0 .. nk - 1 of head h into kp: per tile of 16 keys, [dim/2 pairs][16 keys] uint32 (bf16 pairs); keys
  * from nk up to the next multiple of TILE are zero (masked by the walk). */
 INLINE void pack_keys(uint32_t *restrict kp, const void *k_cache, const int64_t *table, int64_t nk, int bs,
                       int kv_heads, int h, const int dim, const int f16) {
-    uint32_t rows[16][128 / 2] __attribute__((aligned(64)));
+    uint32_t rows[16][QP_STRIDE] __attribute__((aligned(64)));
+    memset(rows, 0, sizeof(rows)); /* pairs past dim / 2 are transposed too, never stored */
     for (int64_t t0 = 0; t0 < (nk + TILE - 1) / TILE * TILE; t0 += 16) {
         const int n = nk - t0 < 16 ? (int)(nk - t0) : 16;
         for (int t = 0; t < 16; t++) {
@@ -100,11 +124,11 @@ INLINE void pack_keys(uint32_t *restrict kp, const void *k_cache, const int64_t 
                 memset(rows[t], 0, sizeof(uint32_t) * dim / 2);
         }
         uint32_t *tile = kp + t0 * (dim / 2); /* (t0 / 16) * (dim / 2) * 16 */
-        for (int p = 0; p < dim / 2; p++) {
-            const __m512i idx = _mm512_set_epi32(15 * 64 + p, 14 * 64 + p, 13 * 64 + p, 12 * 64 + p, 11 * 64 + p,
-                                                 10 * 64 + p, 9 * 64 + p, 8 * 64 + p, 7 * 64 + p, 6 * 64 + p,
-                                                 5 * 64 + p, 4 * 64 + p, 3 * 64 + p, 2 * 64 + p, 64 + p, p);
-            _mm512_store_si512(tile + p * 16, _mm512_i32gather_epi32(idx, (const int *)rows, 4));
+        for (int p0 = 0; p0 < dim / 2; p0 += 16) {
+            __m512i r[16];
+            for (int t = 0; t < 16; t++) r[t] = _mm512_load_si512(rows[t] + p0);
+            transpose16(r);
+            for (int p = p0; p < dim / 2 && p < p0 + 16; p++) _mm512_store_si512(tile + p * 16, r[p - p0]);
         }
     }
 }
