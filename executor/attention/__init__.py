@@ -118,9 +118,9 @@ def cpu_prefill_kernel(setting: str, name: str, num_heads: int, num_kv_heads: in
         raise EngineError(f"unknown prefill_attention {setting!r}; available: {', '.join(PREFILL_ATTENTION)}")
     kernel, why = None, "prefill_attention torch"
     if setting != "torch":
-        kernel, why = _compiled(cpu_prefill.load, "this CPU has no AVX512-BF16 dot products, or the CPU library "
-                                "could not be built (see the log)", name, (num_heads, num_kv_heads, head_dim,
-                                                                          block_size), device, dtype)
+        shape = (num_heads, num_kv_heads, head_dim, block_size)
+        kernel, why = _compiled(cpu_prefill.load, "no AVX512-BF16 dot products in this CPU or this compiler's build, "
+                                "or the CPU library could not be built (see the log)", name, shape, device, dtype)
     if setting == "bf16" and kernel is None:
         raise EngineError(f"prefill_attention 'bf16' is unavailable: {why}")
     if setting == "auto" and kernel is not None and not bf16_rows:

@@ -34,7 +34,8 @@ class PagedPrefillKernel:
         self._supports.argtypes, self._supports.restype = [i32] * 4, i32
 
     def supports(self, heads: int, kv_heads: int, dim: int, block_size: int) -> bool:
-        """Whether the kernel takes this model shape (head size a multiple of 16 up to 128, blocks up to 64)."""
+        """Whether the kernel takes this model shape (head size a multiple of 16 up to 128, at most 128 query heads,
+        blocks up to 64)."""
         return bool(self._supports(heads, kv_heads, dim, block_size))
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
@@ -70,9 +71,11 @@ class PagedPrefillKernel:
             raise MemoryError("paged prefill kernel: no memory for its packed keys and values")
         if rc == -4:
             raise ValueError("this build of the paged prefill kernel has no bf16 dot products (no AVX512-BF16)")
+        if rc == -5:
+            raise ValueError(f"paged prefill kernel: a block id outside [0, {num_blocks})")
         if rc != 0:
             raise ValueError(f"paged prefill kernel: {start} + {n} tokens beyond {table.numel()} blocks of "
-                             f"{block_size}, a block id outside [0, {num_blocks}), or an empty chunk")
+                             f"{block_size}, or an empty chunk")
         return out
 
 

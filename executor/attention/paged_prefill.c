@@ -44,7 +44,7 @@ int paged_prefill_has_bf16(void) { return HAVE_BF16_DOT; }
 
 /* 1 when the kernel takes this model shape, else 0. */
 int paged_prefill_supports(int heads, int kv_heads, int dim, int block_size) {
-    return heads > 0 && kv_heads > 0 && heads <= MAX_HEADS && heads % kv_heads == 0 && dim % 16 == 0 && dim <= 128 &&
+    return heads > 0 && kv_heads > 0 && heads <= MAX_HEADS && heads % kv_heads == 0 && dim >= 16 && dim % 16 == 0 && dim <= 128 &&
            block_size > 0 && block_size <= MAX_BLOCK;
 }
 
@@ -272,7 +272,7 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
     const int64_t nk = start + n, used = (nk + block_size - 1) / block_size;
     if (n < 1 || start < 0 || used > width) return -2;
     for (int64_t j = 0; j < used; j++)
-        if (table[j] < 0 || table[j] >= num_blocks) return -2;
+        if (table[j] < 0 || table[j] >= num_blocks) return -5;
     const int group = heads / kv_heads, R = dim <= 64 ? 4 : 2; /* R * dim / 16 accumulators <= 16 */
     const int64_t padded = (nk + TILE - 1) / TILE * TILE, per_head = padded * dim / 2; /* uint32 per head */
     uint32_t *kp = aligned_alloc(64, sizeof(uint32_t) * per_head * kv_heads);
@@ -317,9 +317,9 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
 #define paged_prefill(...) (-4) /* no bf16 dot products in this build */
 #endif
 
-/* Returns 0; -1 for a shape paged_prefill_supports refuses, -2 for a chunk outside its table or a block id outside
- * the cache (nothing is written then), -3 when the packed tiles cannot be allocated, -4 where the build has no
- * bf16 dot products. */
+/* Returns 0; -1 for a shape paged_prefill_supports refuses, -2 for an empty chunk or one beyond its table, -5 for a
+ * block id outside the cache (nothing is written after -1, -2 or -5), -3 when the packed tiles cannot be
+ * allocated, -4 where the build has no bf16 dot products. */
 int paged_prefill_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t num_blocks,
                       const int64_t *table, int width, int64_t start, int n, float *out, int heads, int kv_heads,
                       int dim, int block_size, float scale, int threads) {

@@ -18,7 +18,8 @@ from engine_helpers import BF16_TOL, hf_logits, random_prompts, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentserve.executor.attention import cpu_prefill, create_backend
+from agentserve.executor.attention import AttentionBatch, cpu_prefill, create_backend
+from agentserve.executor.attention.torch_backend import TorchAttention
 from agentserve.executor.errors import EngineError
 from agentserve.executor.kernels import build
 from agentserve.executor.runner import ModelRunner, PrefillChunk
@@ -67,8 +68,9 @@ def random_case(kv_heads: int, group: int, dim: int, block_size: int, tokens: in
 
 
 @settings(max_examples=60, deadline=None)
-@given(kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 4, 5]), dim=st.sampled_from([16, 32, 48, 64, 128]),
-       block_size=st.sampled_from([1, 5, 16]), start=st.integers(0, 90), n=st.integers(1, 70),
+@given(kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 4, 5]),
+       dim=st.sampled_from([16, 32, 48, 64, 80, 96, 112, 128]), block_size=st.sampled_from([1, 5, 16, 64]),
+       start=st.integers(0, 90), n=st.integers(1, 70),
        threads=st.integers(1, 3), f16=st.booleans(), seed=st.integers(0, 2**16))
 def test_the_kernel_matches_float64_attention_on_its_bf16_inputs(kernel, kv_heads, group, dim, block_size, start, n,
                                                                 threads, f16, seed):
@@ -81,11 +83,12 @@ def test_the_kernel_matches_float64_attention_on_its_bf16_inputs(kernel, kv_head
     assert ((got.double() - want).norm() / want.norm()).item() < WEIGHTS_TOL
 
 
-def test_a_row_does_not_depend_on_its_chunk_or_the_threads(kernel):
+@pytest.mark.parametrize("dim", [64, 96])  # the walk specialised for 64, and the general one (two rows at a time)
+def test_a_row_does_not_depend_on_its_chunk_or_the_threads(kernel, dim):
     """Token 50 of a sequence attended as row 10 of a 40-token chunk from position 40, as row 50 of one chunk from
     0, on 1 or 3 threads: bitwise the same (a sequence's numbers never depend on how it was split)."""
-    k_cache, v_cache, table = random_case(2, 4, 64, 16, 80, torch.float16, 3)
-    q = torch.randn(80, 8, 64, generator=torch.Generator().manual_seed(4))
+    k_cache, v_cache, table = random_case(2, 4, dim, 16, 80, torch.float16, 3)
+    q = torch.randn(80, 8, dim, generator=torch.Generator().manual_seed(4))
     whole = kernel(q, k_cache, v_cache, table, 0, 0.125, 1)
     part = kernel(q[40:].contiguous(), k_cache, v_cache, table, 40, 0.125, 3)
     assert torch.equal(whole[40:], part)
@@ -95,20 +98,47 @@ def test_a_row_does_not_depend_on_its_chunk_or_the_threads(kernel):
 def test_bad_input_is_refused_with_a_clear_error(kernel):
     k_cache, v_cache, table = random_case(2, 2, 32, 4, 20, F32, 5)
     q = torch.randn(6, 4, 32)
-    with pytest.raises(ValueError, match="beyond"):  # 30 + 6 tokens need 9 blocks, the table has 7
+    with pytest.raises(ValueError, match="beyond 7 blocks"):  # 30 + 6 tokens need 9 blocks, the table has 7
         kernel(q, k_cache, v_cache, table, 30, 0.2)
     bad = table.clone()
     bad[0] = k_cache.shape[0]
-    with pytest.raises(ValueError, match="block id outside"):
+    with pytest.raises(ValueError, match="^paged prefill kernel: a block id outside"):
         kernel(q, k_cache, v_cache, bad, 0, 0.2)
     with pytest.raises(ValueError, match="contiguous"):
         kernel(q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, table, 0, 0.2)
     with pytest.raises(ValueError, match="mismatched"):
         kernel(q[:, :, :16], k_cache, v_cache, table, 0, 0.2)
     assert not kernel.supports(4, 2, 24, 4) and not kernel.supports(4, 2, 32, 128) and kernel.supports(4, 2, 32, 4)
+    assert not kernel.supports(4, 2, 0, 4) and not kernel.supports(4, 2, -16, 4)
     odd = torch.randn(8, 4, 2, 24)
     with pytest.raises(ValueError, match="does not take"):
         kernel.run(torch.randn(3, 4, 24), odd, odd, table, 0, 0.2, 1)
+
+
+def test_a_mixed_step_sends_only_its_longer_chunks_to_the_kernel(kernel):
+    """One step: a 29-token chunk after 37 cached tokens (its table longer than it needs), a decode riding beside
+    it, a one-token new prompt and an 18-token new prompt.  Against the PyTorch backend on the same inputs: the
+    decode row and the one-token prompt are bitwise the same (they never reach the kernel), the two longer chunks
+    within bf16 rounding and not equal (they did)."""
+    heads, kv_heads, dim, bs = 4, 2, 32, 8
+    g = torch.Generator().manual_seed(8)
+    lens, starts = [29, 1, 1, 18], [37, 20, 0, 0]
+    tables = [list(range(0, 10)), list(range(10, 13)), [13], [14, 15, 16]]
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, s, n in zip(tables, starts, lens, strict=True)
+                          for p in range(s, s + n)])
+    batch = AttentionBatch(False, lens, starts, tables, slots)
+    total = sum(lens)
+    q, k, v = (torch.randn(total, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    cache = [torch.randn(20, bs, kv_heads, dim, generator=g).half() for _ in range(2)]
+    outs = []
+    for backend in (TorchAttention(heads, kv_heads, dim, bs, CPU, prefill_kernel=kernel),
+                    TorchAttention(heads, kv_heads, dim, bs, CPU)):
+        k_cache, v_cache = (c.clone() for c in cache)
+        outs.append(backend.forward(q, k, v, k_cache, v_cache, backend.plan(batch)).view(total, heads, dim))
+    got, want = outs
+    assert torch.equal(got[29:31], want[29:31])  # the riding decode and the one-token prompt
+    for rows in (slice(0, 29), slice(31, 49)):
+        assert 0 < rel_err(got[rows], want[rows]) < 2e-2  # fp32 against every input rounded to bf16
 
 
 def prefill_kernel(setting: str, bf16_rows: bool, backend: str = "auto"):
