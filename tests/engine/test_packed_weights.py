@@ -77,7 +77,13 @@ def test_hybrid_linear_runs_the_rows_it_is_told_in_bf16_and_the_rest_packed(rows
     half = torch.arange(rows) % 2 == 0
     with bf16_rows(half.nonzero().squeeze(1), (~half).nonzero().squeeze(1)):
         mixed = lin(x)
-    assert torch.equal(mixed[~half], packed(x)[~half]) and torch.equal(mixed[half], got[half])
+    with bf16_rows(ALL_ROWS):
+        bf16_half = lin(x[half])
+    # each group of rows is its own product (bitwise: the same shapes); against the whole batch only closely,
+    # since a GEMM's blocking may depend on the row count (it does on AVX2)
+    assert torch.equal(mixed[~half], packed(x[~half])) and torch.equal(mixed[half], bf16_half)
+    assert torch.allclose(mixed[~half], packed(x)[~half], rtol=1e-5, atol=1e-5 * got.abs().max().item())
+    assert torch.allclose(mixed[half], got[half], rtol=2**-7, atol=2**-7 * ref.abs().max().item())
     assert torch.equal(lin(x), packed(x))  # the context ended
 
 
@@ -101,7 +107,12 @@ def test_gated_mlp_keeps_bf16_rows_in_bf16_between_its_products(rows):
     half = torch.arange(rows) % 2 == 0
     with bf16_rows(half.nonzero().squeeze(1), (~half).nonzero().squeeze(1)):
         mixed = gated_mlp(gate_up, down, x)
-    assert torch.equal(mixed[half], got[half]) and torch.equal(mixed[~half], plain[~half])
+    with bf16_rows(ALL_ROWS):
+        bf16_half = gated_mlp(gate_up, down, x[half])
+    packed_half = down(silu_mul(gate_up(x[~half])))
+    assert torch.equal(mixed[half], bf16_half) and torch.equal(mixed[~half], packed_half)
+    assert torch.allclose(mixed[half], got[half], rtol=2**-6, atol=2**-6 * ref.abs().max().item())
+    assert torch.allclose(mixed[~half], plain[~half], rtol=1e-5, atol=1e-5 * plain.abs().max().item())
     biased = HybridLinear(wgu, torch.randn(2 * 48, generator=g))
     with bf16_rows(ALL_ROWS):
         assert torch.equal(gated_mlp(biased, down, x), down(silu_mul(biased(x))))
