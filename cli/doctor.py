@@ -117,8 +117,8 @@ def cpu_engine() -> str:
     hybrid_decode = ("the checkpoint's bf16 values with fp32 sums for decode" if fused
                      else "packed fp16 for decode")  # the fused step reads a hybrid matrix's bf16 copy
     prefill, _ = cpu_prefill_kernel("auto", "auto", 8, 2, 64, 16, cpu, fp32, fmt == "hybrid")
-    cache += (", bf16 prefill attention (compiled, AVX512-BF16)" if prefill
-              else ", fp32 prefill attention (PyTorch)")
+    cache += {None: ", fp32 prefill attention (PyTorch)", "bf16": ", bf16 prefill attention (compiled, AVX512-BF16)",
+              "fp32": ", fp32 prefill attention (compiled, AVX2)"}[prefill and prefill.variant]
     return {
         "dense": "fp32 activations, dense fp32 matrices (no FBGEMM fp16 kernel in this build/CPU)",
         "hybrid": f"fp32 activations, hybrid matrices: bf16 products for prefill chunks (native bf16), {hybrid_decode}",

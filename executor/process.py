@@ -208,7 +208,7 @@ class Executor:
             device=f"{r.device} {self.backend.device} {dtype}, {r.weight_format} matrices, "
                    f"{str(r.kv_dtype).removeprefix('torch.')} KV"
                    + (", fused decode step" if r.fused_decode is not None else "")
-                   + (", bf16 prefill attention" if r.prefill_kernel is not None else ""),
+                   + (f", {r.prefill_kernel.variant} prefill attention" if r.prefill_kernel is not None else ""),
             model=model,
         )
 

@@ -295,7 +295,7 @@ class ModelRunner(RunnerGraphs):
 
     @property
     def prefill_kernel(self) -> PagedPrefillKernel | None:
-        """The compiled bf16 prefill-attention kernel the attention backend runs, or None."""
+        """The compiled prefill-attention kernel (bf16 or fp32) the attention backend runs, or None."""
         return getattr(self.attention, "prefill_kernel", None)
 
     @property

@@ -19,7 +19,7 @@ def _source_files() -> set[str]:
     out = set()
     for folder in MAPPED:
         for path in (ROOT / folder).rglob("*"):
-            if path.suffix in (".py", ".toml", ".c") and "__pycache__" not in path.parts:
+            if path.suffix in (".py", ".toml", ".c", ".h") and "__pycache__" not in path.parts:
                 out.add("agentserve/" + path.relative_to(ROOT).as_posix())
     return out
 
@@ -52,6 +52,7 @@ def test_wheel_carries_every_module(tmp_path: Path) -> None:
     assert not missing, f"wheel lacks: {sorted(missing)}"
     assert "agentserve/executor/__init__.py" in names
     assert {"agentserve/executor/attention/paged_decode.c", "agentserve/executor/attention/paged_prefill.c",
+            "agentserve/executor/attention/paged_prefill_fp32.c", "agentserve/executor/attention/paged_prefill.h",
             "agentserve/executor/fused/decode_step.c"} <= names
 
 

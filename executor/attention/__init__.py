@@ -5,9 +5,10 @@
 ``torch``: PyTorch only (the reference). ``cpu-kernel``: as ``auto`` on a CPU, but an error where the kernel
 cannot be used.  Prefill attention on a CPU (``prefill_attention``, :func:`cpu_prefill_kernel`): ``auto`` runs
 the compiled bf16 kernel (:mod:`.cpu_prefill`) where the CPU has AVX512-BF16 and the model's matrices already
-multiply prefill rows in bf16 (hybrid), ``bf16`` wherever the kernel runs, ``torch`` PyTorch's fp32 flash
-attention. ``triton`` (:mod:`.triton_backend`) and ``flashinfer`` (:mod:`.flashinfer_backend`): those
-paged kernels, or an error saying why they cannot run here.
+multiply prefill rows in bf16 (hybrid), else the compiled fp32 kernel on CPUs without AVX-512, else PyTorch's fp32
+flash attention; ``bf16`` and ``fp32`` those kernels wherever they run, ``torch`` PyTorch.  ``triton``
+(:mod:`.triton_backend`) and ``flashinfer`` (:mod:`.flashinfer_backend`): those paged kernels, or an error saying
+why they cannot run here.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class _Kernel(Protocol):
 
 
 K = TypeVar("K", bound=_Kernel)
-PREFILL_ATTENTION = ("auto", "bf16", "torch")
+PREFILL_ATTENTION = ("auto", "bf16", "fp32", "torch")
 log = logging.getLogger(__name__)
 
 
@@ -72,7 +73,8 @@ def create_backend(
     prefill_kernel, why = cpu_prefill_kernel(prefill, name, num_heads, num_kv_heads, head_dim, block_size, device,
                                              dtype, bf16_rows)
     if device.type == "cpu":
-        log.info("prefill attention: %s", "the compiled bf16 kernel" if prefill_kernel else f"PyTorch fp32 ({why})")
+        log.info("prefill attention: %s", f"the compiled {prefill_kernel.variant} kernel" if prefill_kernel
+                 else f"PyTorch fp32 ({why})")
     return TorchAttention(num_heads, num_kv_heads, head_dim, block_size, device, decode_kernel=kernel,
                           prefill_kernel=prefill_kernel)
 
@@ -110,22 +112,40 @@ def cpu_decode_kernel(name: str, num_heads: int, num_kv_heads: int, head_dim: in
 def cpu_prefill_kernel(setting: str, name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                        device: torch.device, dtype: torch.dtype,
                        bf16_rows: bool) -> tuple[PagedPrefillKernel | None, str]:
-    """The compiled bf16 prefill kernel under ``prefill_attention = setting`` with attention backend ``name``, or
-    None and why not.  ``bf16`` where it cannot run raises :class:`EngineError`."""
+    """The compiled prefill kernel under ``prefill_attention = setting`` with attention backend ``name``, or None and
+    why not.  ``auto``: the bf16 kernel where prefill rows already multiply in bf16 (hybrid matrices), else the fp32
+    kernel where it is the faster fp32 path (:func:`cpu_prefill.preferred`), else PyTorch.  ``bf16`` or ``fp32``
+    where that kernel cannot run raises :class:`EngineError`."""
     from agentserve.executor.attention import cpu_prefill
 
     if setting not in PREFILL_ATTENTION:
         raise EngineError(f"unknown prefill_attention {setting!r}; available: {', '.join(PREFILL_ATTENTION)}")
-    kernel, why = None, "prefill_attention torch"
-    if setting != "torch":
-        shape = (num_heads, num_kv_heads, head_dim, block_size)
-        kernel, why = _compiled(cpu_prefill.load, "no AVX512-BF16 dot products in this CPU or this compiler's build, "
-                                "or the CPU library could not be built (see the log)", name, shape, device, dtype)
-    if setting == "bf16" and kernel is None:
-        raise EngineError(f"prefill_attention 'bf16' is unavailable: {why}")
-    if setting == "auto" and kernel is not None and not bf16_rows:
-        kernel, why = None, "the matrices multiply prefill rows in fp32 (bf16 wherever they are hybrid)"
-    return kernel, why
+    if setting == "torch":
+        return None, "prefill_attention torch"
+    shape = (num_heads, num_kv_heads, head_dim, block_size)
+    if setting != "auto":
+        kernel, why = _prefill_variant(setting, name, shape, device, dtype)
+        if kernel is None:
+            raise EngineError(f"prefill_attention {setting!r} is unavailable: {why}")
+        return kernel, ""
+    if bf16_rows:
+        kernel, why = _prefill_variant("bf16", name, shape, device, dtype)
+        if kernel is not None or device.type != "cpu" or dtype != torch.float32:
+            return kernel, why
+    if not cpu_prefill.preferred():
+        return None, ("the matrices multiply prefill rows in fp32 (bf16 wherever they are hybrid), and with AVX-512 "
+                      "(or without a built library) PyTorch's flash attention is the fp32 path")
+    return _prefill_variant("fp32", name, shape, device, dtype)
+
+
+def _prefill_variant(variant: str, name: str, shape: tuple[int, int, int, int], device: torch.device,
+                     dtype: torch.dtype) -> tuple[PagedPrefillKernel | None, str]:
+    from agentserve.executor.attention import cpu_prefill
+
+    lacks = {"bf16": "no AVX512-BF16 dot products in this CPU or this compiler's build",
+             "fp32": "no AVX2 + FMA + F16C in this CPU or this compiler's build"}[variant]
+    return _compiled(lambda: cpu_prefill.load(variant), f"{lacks}, or the CPU library could not be built (see the "
+                     "log)", name, shape, device, dtype)
 
 
 def _compiled(load: Callable[[], K | None], unavailable: str, name: str, shape: tuple[int, int, int, int],

@@ -1,8 +1,13 @@
-"""The CPU paged-prefill kernel (``paged_prefill.c``: a prefill chunk's attention on the CPU's bf16 dot-product
-units) with typed arguments, loaded from the compiled CPU library (:mod:`agentserve.executor.kernels.build`).
+"""The CPU paged-prefill kernels with typed arguments, loaded from the compiled CPU library
+(:mod:`agentserve.executor.kernels.build`): a prefill chunk's attention over keys and values read in place from the
+paged cache.
 
-Only CPUs with AVX512-BF16 have it (:func:`load` returns ``None`` elsewhere, and where no C compiler builds the
-library); the attention backend then keeps PyTorch's fp32 flash attention for prefill.
+- ``bf16`` (``paged_prefill.c``): products on the CPU's bf16 dot-product units; only CPUs with AVX512-BF16 have it.
+- ``fp32`` (``paged_prefill_fp32.c``): fp32 products on AVX2 + FMA (+ F16C for an fp16 cache); the fastest prefill
+  attention measured on CPUs without AVX-512 (:func:`preferred`).
+
+:func:`load` returns ``None`` where the CPU or the build lacks a kernel, or no C compiler builds the library; the
+attention backend then keeps PyTorch's fp32 flash attention for prefill.
 """
 
 from __future__ import annotations
@@ -15,27 +20,34 @@ import torch
 
 from agentserve.executor.kernels import build
 
+# per variant: the prefix of its entry points (<prefix>_f16, <prefix>_f32, <prefix>_supports), the function saying
+# whether this build has it, and what the build lacks where it does not
+_SYMBOLS = {"bf16": ("paged_prefill", "paged_prefill_has_bf16", "bf16 dot products (no AVX512-BF16)"),
+            "fp32": ("paged_prefill_fp32", "paged_prefill_fp32_available", "AVX2 + FMA + F16C")}
+
 
 class PagedPrefillKernel:
-    """``paged_prefill_f16`` / ``paged_prefill_f32``: fp32 queries and output, the cache fp16 or fp32, products in
-    bf16 with fp32 sums."""
+    """One variant's ``<prefix>_f16`` / ``<prefix>_f32``: fp32 queries and output, the cache fp16 or fp32, products
+    in bf16 (``bf16``) or fp32 (``fp32``) with fp32 sums."""
 
     cache_dtypes = (torch.float32, torch.float16)
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, variant: str = "bf16") -> None:
         ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        self.variant = variant
+        prefix, _, self._lacks = _SYMBOLS[variant]
         self._fns = {}
-        for dtype, name in ((torch.float32, "paged_prefill_f32"), (torch.float16, "paged_prefill_f16")):
+        for dtype, name in ((torch.float32, f"{prefix}_f32"), (torch.float16, f"{prefix}_f16")):
             fn = getattr(library, name)
             fn.argtypes = [ptr, ptr, ptr, i64, ptr, i32, i64, i32, ptr] + [i32] * 4 + [ctypes.c_float, i32]
             fn.restype = i32
             self._fns[dtype] = fn
-        self._supports = library.paged_prefill_supports
+        self._supports = getattr(library, f"{prefix}_supports")
         self._supports.argtypes, self._supports.restype = [i32] * 4, i32
 
     def supports(self, heads: int, kv_heads: int, dim: int, block_size: int) -> bool:
-        """Whether the kernel takes this model shape (head size a multiple of 16 up to 128, at most 128 query heads,
-        blocks up to 64)."""
+        """Whether the kernel takes this model shape (head size a multiple of 16 (``bf16``) or 8 (``fp32``) up to
+        128, at most 128 query heads, blocks up to 64)."""
         return bool(self._supports(heads, kv_heads, dim, block_size))
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
@@ -70,7 +82,7 @@ class PagedPrefillKernel:
         if rc == -3:
             raise MemoryError("paged prefill kernel: no memory for its packed keys and values")
         if rc == -4:
-            raise ValueError("this build of the paged prefill kernel has no bf16 dot products (no AVX512-BF16)")
+            raise ValueError(f"this build of the {self.variant} paged prefill kernel has no {self._lacks}")
         if rc == -5:
             raise ValueError(f"paged prefill kernel: a block id outside [0, {num_blocks})")
         if rc != 0:
@@ -82,18 +94,29 @@ class PagedPrefillKernel:
 _WRAPPING = threading.Lock()
 
 
-def load() -> PagedPrefillKernel | None:
-    """The kernel, from the library built on first use; ``None`` where the library cannot be built or loaded or
-    this CPU has no bf16 dot products.  One wrapper per loaded library."""
+def load(variant: str = "bf16") -> PagedPrefillKernel | None:
+    """The ``variant`` kernel (``bf16`` or ``fp32``), from the library built on first use; ``None`` where the library
+    cannot be built or loaded or this build lacks that kernel.  One wrapper per loaded library and variant."""
     library = build.library()
     if library is None:
         return None
     with _WRAPPING:
-        return _kernel(library)
+        return _kernel(library, variant)
+
+
+def preferred() -> bool:
+    """Whether ``auto`` takes the fp32 kernel over PyTorch's flash attention: where the library was built without
+    AVX-512 (there both multiply on 8-wide FMAs, and the kernel measured faster)."""
+    library = build.library()
+    if library is None:
+        return False
+    fn = library.paged_prefill_fp32_preferred
+    fn.argtypes, fn.restype = [], ctypes.c_int
+    return bool(fn())
 
 
 @functools.cache
-def _kernel(library: ctypes.CDLL) -> PagedPrefillKernel | None:
-    has = library.paged_prefill_has_bf16
+def _kernel(library: ctypes.CDLL, variant: str) -> PagedPrefillKernel | None:
+    has = getattr(library, _SYMBOLS[variant][1])
     has.argtypes, has.restype = [], ctypes.c_int
-    return PagedPrefillKernel(library) if has() else None
+    return PagedPrefillKernel(library, variant) if has() else None

@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "paged_prefill.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define HAVE_BF16_DOT 1
 #include <immintrin.h>
@@ -34,8 +36,6 @@
 #define HAVE_BF16_DOT 0
 #endif
 
-#define MAX_HEADS 128
-#define MAX_BLOCK 64
 #define TILE 32 /* keys per step of the walk: two vectors of 16 scores */
 #define QP_STRIDE 64 /* uint32 (bf16 pairs) per packed query row: dim <= 128 */
 
@@ -44,8 +44,8 @@ int paged_prefill_has_bf16(void) { return HAVE_BF16_DOT; }
 
 /* 1 when the kernel takes this model shape, else 0. */
 int paged_prefill_supports(int heads, int kv_heads, int dim, int block_size) {
-    return heads > 0 && kv_heads > 0 && heads <= MAX_HEADS && heads % kv_heads == 0 && dim >= 16 && dim % 16 == 0 && dim <= 128 &&
-           block_size > 0 && block_size <= MAX_BLOCK;
+    return heads > 0 && kv_heads > 0 && heads <= PREFILL_MAX_HEADS && heads % kv_heads == 0 && dim >= 16 &&
+           dim % 16 == 0 && dim <= 128 && block_size > 0 && block_size <= PREFILL_MAX_BLOCK;
 }
 
 #if HAVE_BF16_DOT
@@ -77,13 +77,6 @@ INLINE void row_bf16(uint32_t *restrict dst, const void *restrict src, const int
 INLINE __m512i load_bf16(const void *p, const int two, const int f16) {
     if (!two) return _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(load16(p, f16)));
     return (__m512i)_mm512_cvtne2ps_pbh(load16((const char *)p + 16 * (f16 ? 2 : 4), f16), load16(p, f16));
-}
-
-/* Address of key/value `t` of KV head h: through the block table. */
-INLINE const void *token_at(const void *cache, const int64_t *table, int64_t t, int bs, int kv_heads, int h,
-                            const int dim, const int f16) {
-    const int64_t slot = table[t / bs] * bs + t % bs;
-    return (const char *)cache + ((slot * kv_heads + h) * (int64_t)dim) * (f16 ? 2 : 4);
 }
 
 /* r[i] holds row i of a 16 x 16 matrix of 32-bit elements; afterwards r[i] holds column i. */
@@ -119,7 +112,7 @@ INLINE void pack_keys(uint32_t *restrict kp, const void *k_cache, const int64_t 
         const int n = nk - t0 < 16 ? (int)(nk - t0) : 16;
         for (int t = 0; t < 16; t++) {
             if (t < n)
-                row_bf16(rows[t], token_at(k_cache, table, t0 + t, bs, kv_heads, h, dim, f16), dim, f16);
+                row_bf16(rows[t], prefill_token_at(k_cache, table, t0 + t, bs, kv_heads, h, dim, f16), dim, f16);
             else
                 memset(rows[t], 0, sizeof(uint32_t) * dim / 2);
         }
@@ -149,30 +142,23 @@ INLINE void pack_values(uint32_t *restrict vp, const void *v_cache, const int64_
             __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
             const int64_t t = 2 * kp;
             if (t < nk)
-                a = load_bf16(AT(token_at(v_cache, table, t, bs, kv_heads, h, dim, f16), d), two, f16);
+                a = load_bf16(AT(prefill_token_at(v_cache, table, t, bs, kv_heads, h, dim, f16), d), two, f16);
             if (t + 1 < nk)
-                b = load_bf16(AT(token_at(v_cache, table, t + 1, bs, kv_heads, h, dim, f16), d), two, f16);
+                b = load_bf16(AT(prefill_token_at(v_cache, table, t + 1, bs, kv_heads, h, dim, f16), d), two, f16);
             _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, lo, b));
             if (two) _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, hi, b));
         }
     }
 }
 
-/* e^x for x <= 0 (lanes of -inf or far below give 0 or a negligible positive): 2^n * p(f), p a degree-6 fit
- * of 2^f on [-0.5, 0.5] (relative error ~1e-7, far below the bf16 rounding the weights get next). */
+/* e^x for x <= 0 (lanes of -inf or far below give 0 or a negligible positive): 2^n * 2^f (paged_prefill.h; its
+ * error far below the bf16 rounding the weights get next). */
 INLINE __m512 exp_neg(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5353362e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6184875e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503324e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_scalef_ps(PREFILL_EXP2_FRACTION(_mm512_fmadd_ps, _mm512_set1_ps, f), n);
 }
 
 /* R query rows (row r: qp + r * QP_STRIDE, dim/2 bf16 pairs, attending keys 0 .. last[r]) over the packed keys kp and
@@ -269,10 +255,9 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
                          const int64_t *table, int width, int64_t start, int n, float *out, int heads, int kv_heads,
                          int dim, int block_size, float scale, int threads, const int f16) {
     if (!paged_prefill_supports(heads, kv_heads, dim, block_size)) return -1;
-    const int64_t nk = start + n, used = (nk + block_size - 1) / block_size;
-    if (n < 1 || start < 0 || used > width) return -2;
-    for (int64_t j = 0; j < used; j++)
-        if (table[j] < 0 || table[j] >= num_blocks) return -5;
+    const int checked = prefill_check_chunk(table, width, num_blocks, start, n, block_size);
+    if (checked != 0) return checked;
+    const int64_t nk = start + n;
     const int group = heads / kv_heads, R = dim <= 64 ? 4 : 2; /* R * dim / 16 accumulators <= 16 */
     const int64_t padded = (nk + TILE - 1) / TILE * TILE, per_head = padded * dim / 2; /* uint32 per head */
     uint32_t *kp = aligned_alloc(64, sizeof(uint32_t) * per_head * kv_heads);
@@ -282,8 +267,7 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
         return -3;
     }
     const int64_t rows = (int64_t)n * group, blocks = (rows + R - 1) / R;
-    /* row ranges per head: several per thread, taken in turn (later rows attend more keys: causal) */
-    const int64_t parts = threads > 1 ? (blocks < 8 * threads ? blocks : 8 * threads) : 1;
+    const int64_t parts = prefill_parts(blocks, threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const unsigned csr = _mm_getcsr();
@@ -317,20 +301,4 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
 #define paged_prefill(...) (-4) /* no bf16 dot products in this build */
 #endif
 
-/* Returns 0; -1 for a shape paged_prefill_supports refuses, -2 for an empty chunk or one beyond its table, -5 for a
- * block id outside the cache (nothing is written after -1, -2 or -5), -3 when the packed tiles cannot be
- * allocated, -4 where the build has no bf16 dot products. */
-int paged_prefill_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t num_blocks,
-                      const int64_t *table, int width, int64_t start, int n, float *out, int heads, int kv_heads,
-                      int dim, int block_size, float scale, int threads) {
-    return paged_prefill(q, k_cache, v_cache, num_blocks, table, width, start, n, out, heads, kv_heads, dim,
-                         block_size, scale, threads, 1);
-}
-
-/* As paged_prefill_f16 over fp32 caches. */
-int paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
-                      const int64_t *table, int width, int64_t start, int n, float *out, int heads, int kv_heads,
-                      int dim, int block_size, float scale, int threads) {
-    return paged_prefill(q, k_cache, v_cache, num_blocks, table, width, start, n, out, heads, kv_heads, dim,
-                         block_size, scale, threads, 0);
-}
+PREFILL_ENTRY_POINTS(paged_prefill, paged_prefill)

@@ -1,6 +1,7 @@
 """The compiled CPU library: ``attention/paged_decode.c`` (paged decode attention), ``fused/decode_step.c``
-(the fused decode step, which calls the first) and ``attention/paged_prefill.c`` (prefill attention on bf16
-dot-product units, where the CPU has them), built once per machine with the system C compiler into one shared
+(the fused decode step, which calls the first), ``attention/paged_prefill.c`` (prefill attention on bf16
+dot-product units, where the CPU has them) and ``attention/paged_prefill_fp32.c`` (prefill attention in fp32 on
+AVX2), built once per machine with the system C compiler into one shared
 object (``paged_decode.so``), then loaded through ctypes by their Python wrappers
 (:class:`~agentserve.executor.attention.cpu_kernel.PagedDecodeKernel`,
 :class:`~agentserve.executor.fused.step.FusedDecodeStep`,
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 
 _EXECUTOR = Path(__file__).parents[1]
 SOURCES = (_EXECUTOR / "attention" / "paged_decode.c", _EXECUTOR / "fused" / "decode_step.c",
-           _EXECUTOR / "attention" / "paged_prefill.c")
+           _EXECUTOR / "attention" / "paged_prefill.c", _EXECUTOR / "attention" / "paged_prefill_fp32.c")
+HEADERS = (_EXECUTOR / "attention" / "paged_prefill.h",)  # included by sources: part of the cache key
 LIBRARY = "paged_decode.so"  # the file name inside its cache folder
 # -ffast-math (vectorised expf, reassociated sums) only when compiling: on the link line gcc would add
 # crtfastmath.o, which flushes subnormals to zero for the whole process as soon as the library loads.
@@ -132,8 +134,8 @@ def _library() -> ctypes.CDLL | None:
     try:
         flags = extra_flags()  # read once: the key and the build must agree
         key = hashlib.sha256(
-            "\0".join([*(src.read_text() for src in SOURCES), _version(cc), *COMPILE, *flags, *LINK, OPENMP,
-                       _cpu_flags(), *platform.libc_ver()]).encode()
+            "\0".join([*(src.read_text() for src in (*SOURCES, *HEADERS)), _version(cc), *COMPILE, *flags, *LINK,
+                       OPENMP, _cpu_flags(), *platform.libc_ver()]).encode()
         ).hexdigest()[:16]
         path = cache_dir() / key / LIBRARY
         if not path.exists():

@@ -1,9 +1,11 @@
-"""The compiled bf16 prefill-attention kernel (AVX512-BF16 CPUs): equal, within the rounding of bf16 weights, to
-attention in float64 over the same bf16-rounded queries, keys and values, on random shapes, chunks and scattered
-block tables; a row's result independent of the chunk it is in and of the thread count; chosen by ``auto`` only
-where prefill rows already run in bf16; a clear error for bad input and for ``bf16`` where it cannot run.  On
-CPUs without AVX512-BF16 the kernel tests skip and the fallback tests run (the AVX2 build is checked on either
-class by building it with ``-mno-avx512bf16``)."""
+"""The compiled prefill-attention kernels.  ``bf16`` (AVX512-BF16 CPUs): equal, within the rounding of bf16
+weights, to attention in float64 over the same bf16-rounded queries, keys and values; ``fp32`` (AVX2 + FMA +
+F16C): equal to attention in float64 on the same inputs within fp32 rounding, and token-exact against
+transformers.  Both on random shapes, chunks and scattered block tables; a row's result independent of the chunk
+it is in and of the thread count; ``auto`` takes bf16 only where prefill rows already run in bf16, fp32 only on
+builds without AVX-512; a clear error for bad input and for a setting that cannot run.  Where a CPU lacks a kernel
+its tests skip; the other builds are checked on either class by building the library with ``-mno-avx512bf16``,
+``-mno-avx512f`` and ``-mno-avx2`` in a fresh process."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from engine_helpers import BF16_TOL, hf_logits, random_prompts, rel_err
+from engine_helpers import BF16_TOL, MAX_NEW, REL_TOL, greedy_generate, hf_logits, random_prompts, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,14 +29,36 @@ from agentserve.executor.runner import ModelRunner, PrefillChunk
 CPU = torch.device("cpu")
 F32 = torch.float32
 WEIGHTS_TOL = 4e-3  # vs float64 on the same bf16-rounded inputs: the softmax weights' own rounding to bf16
+FP32_TOL = 2e-6  # the fp32 kernel vs float64 on the same inputs: fp32 rounding of the sums
+
+
+def loaded(variant: str, lacking: str) -> cpu_prefill.PagedPrefillKernel:
+    """The ``variant`` kernel, or a skip: this CPU lacks ``lacking`` (or there is no C compiler)."""
+    built = cpu_prefill.load(variant)
+    if built is None:
+        pytest.skip(f"no {lacking} here (or no C compiler): no {variant} prefill kernel")
+    return built
 
 
 @pytest.fixture(scope="module")
 def kernel() -> cpu_prefill.PagedPrefillKernel:
-    built = cpu_prefill.load()
-    if built is None:
-        pytest.skip("no AVX512-BF16 here (or no C compiler): prefill attention stays on PyTorch")
-    return built
+    return loaded("bf16", "AVX512-BF16")
+
+
+@pytest.fixture(scope="module")
+def fp32_kernel() -> cpu_prefill.PagedPrefillKernel:
+    return loaded("fp32", "AVX2 + FMA + F16C")
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp32"])
+def any_kernel(request) -> cpu_prefill.PagedPrefillKernel:
+    return request.getfixturevalue("kernel" if request.param == "bf16" else "fp32_kernel")
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo's first flags line lists ``flag``."""
+    with open("/proc/cpuinfo") as f:
+        return flag in next(line for line in f if line.startswith("flags")).split()
 
 
 def bf16(t: torch.Tensor) -> torch.Tensor:
@@ -42,16 +66,17 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, start: int,
-              scale: float) -> torch.Tensor:
-    """Causal attention of q [n, heads, dim] in float64 over the gathered keys, every input rounded to bf16."""
+              scale: float, rounded=bf16) -> torch.Tensor:
+    """Causal attention of q [n, heads, dim] in float64 over the gathered keys, every input passed through
+    ``rounded`` (bf16 rounding, or none: ``torch.Tensor.double``)."""
     n, heads, dim = q.shape
     group = heads // k_cache.shape[2]
-    keys = bf16(k_cache[table].flatten(0, 1)[: start + n])
-    vals = bf16(v_cache[table].flatten(0, 1)[: start + n])
+    keys = rounded(k_cache[table].flatten(0, 1)[: start + n])
+    vals = rounded(v_cache[table].flatten(0, 1)[: start + n])
     out = torch.empty(n, heads, dim, dtype=torch.float64)
     for i in range(n):
         for h in range(heads):
-            s = keys[: start + i + 1, h // group] @ bf16(q[i, h]) * scale
+            s = keys[: start + i + 1, h // group] @ rounded(q[i, h]) * scale
             out[i, h] = torch.softmax(s, 0) @ vals[: start + i + 1, h // group]
     return out
 
@@ -83,19 +108,37 @@ def test_the_kernel_matches_float64_attention_on_its_bf16_inputs(kernel, kv_head
     assert ((got.double() - want).norm() / want.norm()).item() < WEIGHTS_TOL
 
 
-@pytest.mark.parametrize("dim", [64, 96])  # the walk specialised for 64, and the general one (two rows at a time)
-def test_a_row_does_not_depend_on_its_chunk_or_the_threads(kernel, dim):
-    """Token 50 of a sequence attended as row 10 of a 40-token chunk from position 40, as row 50 of one chunk from
-    0, on 1 or 3 threads: bitwise the same (a sequence's numbers never depend on how it was split)."""
-    k_cache, v_cache, table = random_case(2, 4, dim, 16, 80, torch.float16, 3)
-    q = torch.randn(80, 8, dim, generator=torch.Generator().manual_seed(4))
-    whole = kernel(q, k_cache, v_cache, table, 0, 0.125, 1)
-    part = kernel(q[40:].contiguous(), k_cache, v_cache, table, 40, 0.125, 3)
-    assert torch.equal(whole[40:], part)
-    assert torch.equal(whole, kernel(q, k_cache, v_cache, table, 0, 0.125, 2))
+@settings(max_examples=60, deadline=None)
+@given(kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4, 5]),
+       dim=st.sampled_from([8, 16, 24, 40, 64, 72, 96, 128]), block_size=st.sampled_from([1, 5, 16, 64]),
+       start=st.integers(0, 1200), n=st.integers(1, 70),
+       threads=st.integers(1, 3), f16=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_fp32_kernel_matches_float64_attention(fp32_kernel, kv_heads, group, dim, block_size, start, n, threads,
+                                                   f16, seed):
+    """Starts up to 1200 keys: prompts cross the kernel's chunks of 512 keys and its blocks of 64."""
+    k_cache, v_cache, table = random_case(kv_heads, group, dim, block_size, start + n,
+                                          torch.float16 if f16 else F32, seed)
+    q = torch.randn(n, kv_heads * group, dim, generator=torch.Generator().manual_seed(seed + 1))
+    scale = dim**-0.5
+    got = fp32_kernel(q, k_cache, v_cache, table, start, scale, threads)
+    want = reference(q, k_cache, v_cache, table, start, scale, rounded=torch.Tensor.double)
+    assert ((got.double() - want).norm() / want.norm()).item() < FP32_TOL
 
 
-def test_bad_input_is_refused_with_a_clear_error(kernel):
+@pytest.mark.parametrize("dim", [64, 96])  # the walk specialised for 64, and the general one
+def test_a_row_does_not_depend_on_its_chunk_or_the_threads(any_kernel, dim):
+    """Token 650 of a sequence attended as row 10 of a 40-token chunk from position 640, as row 650 of one chunk
+    from 0, on 1 or 3 threads: bitwise the same (a sequence's numbers never depend on how it was split)."""
+    k_cache, v_cache, table = random_case(2, 4, dim, 16, 680, torch.float16, 3)
+    q = torch.randn(680, 8, dim, generator=torch.Generator().manual_seed(4))
+    whole = any_kernel(q, k_cache, v_cache, table, 0, 0.125, 1)
+    part = any_kernel(q[640:].contiguous(), k_cache, v_cache, table, 640, 0.125, 3)
+    assert torch.equal(whole[640:], part)
+    assert torch.equal(whole, any_kernel(q, k_cache, v_cache, table, 0, 0.125, 2))
+
+
+def test_bad_input_is_refused_with_a_clear_error(any_kernel):
+    kernel = any_kernel
     k_cache, v_cache, table = random_case(2, 2, 32, 4, 20, F32, 5)
     q = torch.randn(6, 4, 32)
     with pytest.raises(ValueError, match="beyond 7 blocks"):  # 30 + 6 tokens need 9 blocks, the table has 7
@@ -108,18 +151,21 @@ def test_bad_input_is_refused_with_a_clear_error(kernel):
         kernel(q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, table, 0, 0.2)
     with pytest.raises(ValueError, match="mismatched"):
         kernel(q[:, :, :16], k_cache, v_cache, table, 0, 0.2)
-    assert not kernel.supports(4, 2, 24, 4) and not kernel.supports(4, 2, 32, 128) and kernel.supports(4, 2, 32, 4)
-    assert not kernel.supports(4, 2, 0, 4) and not kernel.supports(4, 2, -16, 4)
-    odd = torch.randn(8, 4, 2, 24)
+    step = 16 if kernel.variant == "bf16" else 8  # head sizes a multiple of this
+    assert not kernel.supports(4, 2, step + step // 2, 4) and kernel.supports(4, 2, 2 * step, 4)
+    assert not kernel.supports(4, 2, 32, 128) and not kernel.supports(4, 2, 136, 4)
+    assert not kernel.supports(4, 2, 0, 4) and not kernel.supports(4, 2, -16, 4) and not kernel.supports(6, 4, 32, 4)
+    odd = torch.randn(8, 4, 2, step + step // 2)
     with pytest.raises(ValueError, match="does not take"):
-        kernel.run(torch.randn(3, 4, 24), odd, odd, table, 0, 0.2, 1)
+        kernel.run(torch.randn(3, 4, step + step // 2), odd, odd, table, 0, 0.2, 1)
 
 
-def test_a_mixed_step_sends_only_its_longer_chunks_to_the_kernel(kernel):
+def test_a_mixed_step_sends_only_its_longer_chunks_to_the_kernel(any_kernel):
     """One step: a 29-token chunk after 37 cached tokens (its table longer than it needs), a decode riding beside
     it, a one-token new prompt and an 18-token new prompt.  Against the PyTorch backend on the same inputs: the
     decode row and the one-token prompt are bitwise the same (they never reach the kernel), the two longer chunks
-    within bf16 rounding and not equal (they did)."""
+    within the kernel's rounding (bf16's, or fp32's) and not equal (they were attended in another order)."""
+    kernel = any_kernel
     heads, kv_heads, dim, bs = 4, 2, 32, 8
     g = torch.Generator().manual_seed(8)
     lens, starts = [29, 1, 1, 18], [37, 20, 0, 0]
@@ -137,8 +183,8 @@ def test_a_mixed_step_sends_only_its_longer_chunks_to_the_kernel(kernel):
         outs.append(backend.forward(q, k, v, k_cache, v_cache, backend.plan(batch)).view(total, heads, dim))
     got, want = outs
     assert torch.equal(got[29:31], want[29:31])  # the riding decode and the one-token prompt
-    for rows in (slice(0, 29), slice(31, 49)):
-        assert 0 < rel_err(got[rows], want[rows]) < 2e-2  # fp32 against every input rounded to bf16
+    for rows in (slice(0, 29), slice(31, 49)):  # fp32 against every input rounded to bf16, or fp32 sums reordered
+        assert 0 < rel_err(got[rows], want[rows]) < (2e-2 if kernel.variant == "bf16" else 1e-5)
 
 
 def prefill_kernel(setting: str, bf16_rows: bool, backend: str = "auto"):
@@ -147,18 +193,41 @@ def prefill_kernel(setting: str, bf16_rows: bool, backend: str = "auto"):
 
 def test_auto_attends_in_bf16_only_where_prefill_rows_already_are(kernel):
     assert prefill_kernel("auto", bf16_rows=True) is kernel
-    assert prefill_kernel("auto", bf16_rows=False) is None  # fp32 (or packed fp16) prefill products stay exact
+    assert prefill_kernel("auto", bf16_rows=False) is not kernel  # fp32 (or packed fp16) prefill products stay fp32
     assert prefill_kernel("bf16", bf16_rows=False) is kernel  # reachable by its flag on any matrices
     assert prefill_kernel("torch", bf16_rows=True) is None
 
 
-def test_settings_that_cannot_run_fail_clearly():
+def test_auto_takes_the_fp32_kernel_only_on_builds_without_avx512(fp32_kernel):
+    """This machine's build, either class (the other class's build: the subprocess tests below)."""
+    preferred = cpu_prefill.preferred()
+    assert preferred == (not cpu_has("avx512f"))
+    assert prefill_kernel("auto", bf16_rows=False) is (fp32_kernel if preferred else None)
+    assert prefill_kernel("fp32", bf16_rows=True) is fp32_kernel  # reachable by its flag on any matrices
+    assert prefill_kernel("torch", bf16_rows=False) is None
+
+
+@pytest.mark.parametrize("setting", ["bf16", "fp32"])
+def test_settings_that_cannot_run_fail_clearly(setting):
     with pytest.raises(EngineError, match="unknown prefill_attention"):
         prefill_kernel("fast", bf16_rows=True)
-    with pytest.raises(EngineError, match="prefill_attention 'bf16' is unavailable: attention backend 'torch'"):
-        prefill_kernel("bf16", bf16_rows=True, backend="torch")
-    with pytest.raises(EngineError, match="prefill_attention 'bf16' is unavailable: it needs a float32 model"):
-        create_backend("auto", 4, 2, 32, 16, CPU, torch.bfloat16, None, "bf16", True)
+    with pytest.raises(EngineError, match=f"prefill_attention '{setting}' is unavailable: attention backend 'torch'"):
+        prefill_kernel(setting, bf16_rows=True, backend="torch")
+    with pytest.raises(EngineError, match=f"prefill_attention '{setting}' is unavailable: it needs a float32 model"):
+        create_backend("auto", 4, 2, 32, 16, CPU, torch.bfloat16, None, setting, True)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 7, 64])
+def test_an_fp32_runner_through_the_kernel_is_token_exact_against_transformers(fp32_kernel, case, chunk_size):
+    """``prefill_attention = fp32`` on every architecture: greedy tokens equal transformers' (whole prompts and
+    chunked), and logits within the fp32 tolerance."""
+    runner = ModelRunner(case.path, dtype="float32", device="cpu", num_blocks=96, block_size=8,
+                         prefill_attention="fp32")
+    assert runner.prefill_kernel is fp32_kernel
+    tokens = case.prompts[-1]
+    logits = runner.prefill([PrefillChunk(tokens, 0, list(range(10)))], all_logits=True)[0]
+    assert rel_err(logits, hf_logits(case.hf, tokens)) < REL_TOL
+    assert greedy_generate(runner, case.prompts, MAX_NEW, chunk_size) == case.expected
 
 
 def test_a_hybrid_runner_prefills_through_the_kernel_within_bf16_tolerance(kernel, bf16_checkpoints):
@@ -188,27 +257,49 @@ from agentserve.executor.errors import EngineError
 from agentserve.executor.kernels import build
 from agentserve.executor.runner import ModelRunner
 
-out = {"library": build.library() is not None, "kernel": cpu_prefill.load() is not None}
+out = {"library": build.library() is not None, "bf16": cpu_prefill.load("bf16") is not None,
+       "fp32": cpu_prefill.load("fp32") is not None}
 runner = ModelRunner(sys.argv[1], dtype="float32", device="cpu", num_blocks=8, weights="hybrid")
-out["auto"] = runner.prefill_kernel is not None
-try:
-    ModelRunner(sys.argv[1], dtype="float32", device="cpu", num_blocks=8, weights="hybrid", prefill_attention="bf16")
-except EngineError as e:
-    out["bf16"] = str(e)
+out["auto"] = runner.prefill_kernel and runner.prefill_kernel.variant
+for setting in ("bf16", "fp32"):
+    try:
+        ModelRunner(sys.argv[1], dtype="float32", device="cpu", num_blocks=8, weights="hybrid",
+                    prefill_attention=setting)
+    except EngineError as e:
+        out[setting + "_error"] = str(e)
 print(json.dumps(out))
 """
 
 
-def test_without_avx512_bf16_auto_keeps_pytorch_and_bf16_fails_clearly(bf16_checkpoints, tmp_path):
-    """What CPUs without AVX512-BF16 run, checked on either class: the library built with ``-mno-avx512bf16`` (fresh
-    cache, fresh process) still builds, has no prefill kernel, ``auto`` keeps PyTorch and ``bf16`` says why."""
+def other_build(flags: str, path, tmp_path) -> dict:
+    """What a library built with the extra compile ``flags`` offers (fresh cache, fresh process)."""
     if build.compiler() is None:
         pytest.skip("no C compiler on this machine")
-    path, _ = bf16_checkpoints["qwen3_headdim"]
-    env = {**os.environ, build.DIR_ENV: str(tmp_path), build.CFLAGS_ENV: "-mno-avx512bf16"}
+    env = {**os.environ, build.DIR_ENV: str(tmp_path), build.CFLAGS_ENV: flags}
     done = subprocess.run([sys.executable, "-c", FALLBACK, str(path)], capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["library"] and not out["kernel"] and not out["auto"]
-    assert "no AVX512-BF16" in out["bf16"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not build.compiler(), reason="no C compiler")
+@pytest.mark.parametrize("flags", ["-mno-avx512bf16", "-mno-avx512f"])
+def test_without_avx512_bf16_auto_takes_fp32_where_avx512_is_absent_and_bf16_fails_clearly(bf16_checkpoints,
+                                                                                          tmp_path, flags):
+    """The CPUs without AVX512-BF16, checked on either class: without AVX-512 at all (AVX2-only EPYCs) ``auto`` takes
+    the fp32 kernel; with AVX-512 but no bf16 it keeps PyTorch; ``bf16`` says why it cannot run."""
+    path, _ = bf16_checkpoints["qwen3_headdim"]
+    out = other_build(flags, path, tmp_path)
+    assert out["library"] and not out["bf16"] and out["fp32"] and "fp32_error" not in out
+    assert "no AVX512-BF16" in out["bf16_error"]
+    if flags == "-mno-avx512f":
+        assert out["auto"] == "fp32"
+    elif cpu_has("avx512f"):
+        assert out["auto"] is None
+
+
+def test_without_avx2_both_kernels_are_absent_and_auto_keeps_pytorch(bf16_checkpoints, tmp_path):
+    path, _ = bf16_checkpoints["qwen3_headdim"]
+    out = other_build("-mno-avx2", path, tmp_path)
+    assert out["library"] and not out["bf16"] and not out["fp32"] and out["auto"] is None
+    assert "no AVX2 + FMA + F16C" in out["fp32_error"]

@@ -1,0 +1,62 @@
+/* What the two CPU prefill-attention kernels share (paged_prefill.c: products in bf16 on AVX512-BF16;
+ * paged_prefill_fp32.c: in fp32 on AVX2): a token's address through the block table, the checks of a chunk
+ * against its table and the cache, the split of a KV head's rows over threads, and the pair of entry points
+ * (fp16 and fp32 caches) each kernel exports.
+ */
+#ifndef AGENTSERVE_PAGED_PREFILL_H
+#define AGENTSERVE_PAGED_PREFILL_H
+#include <stdint.h>
+
+#define PREFILL_MAX_HEADS 128
+#define PREFILL_MAX_BLOCK 64
+
+/* Address of key/value `t` of KV head h in a cache of fp16 (`f16`) or fp32 elements, through the block table. */
+static inline __attribute__((always_inline)) const void *prefill_token_at(const void *cache, const int64_t *table,
+                                                                           int64_t t, int bs, int kv_heads, int h,
+                                                                           const int dim, const int f16) {
+    const int64_t slot = table[t / bs] * bs + t % bs;
+    return (const char *)cache + ((slot * kv_heads + h) * (int64_t)dim) * (f16 ? 2 : 4);
+}
+
+/* 0 when a chunk of n tokens from `start` fits the `width` blocks of its table and every block it uses lies in the
+ * cache's num_blocks; -2 for an empty chunk or one beyond its table, -5 for a block id outside the cache. */
+static inline int prefill_check_chunk(const int64_t *table, int width, int64_t num_blocks, int64_t start, int n,
+                                      int block_size) {
+    const int64_t used = (start + n + block_size - 1) / block_size;
+    if (n < 1 || start < 0 || used > width) return -2;
+    for (int64_t j = 0; j < used; j++)
+        if (table[j] < 0 || table[j] >= num_blocks) return -5;
+    return 0;
+}
+
+/* 2^f for |f| <= 0.5 in any vector width (`fmadd`, `set1` its intrinsics): a degree-6 fit by Horner's rule,
+ * relative error ~1e-7.  The kernels' e^x = 2^n * 2^f with n = round(x log2 e). */
+#define PREFILL_EXP2_FRACTION(fmadd, set1, f)                                                                     \
+    fmadd(fmadd(fmadd(fmadd(fmadd(fmadd(set1(1.5353362e-4f), f, set1(1.3398874e-3f)), f, set1(9.6184875e-3f)), f, \
+                            set1(5.5503324e-2f)),                                                                 \
+                      f, set1(2.4022652e-1f)),                                                                    \
+                f, set1(6.9314718e-1f)),                                                                          \
+          f, set1(1.0f))
+
+/* How many ranges a KV head's `units` (groups of rows) are cut into for `threads`: several per thread, taken in
+ * turn, since later rows attend more keys (causal); one on one thread. */
+static inline int64_t prefill_parts(int64_t units, int threads) {
+    return threads > 1 ? (units < 8 * threads ? units : 8 * threads) : 1;
+}
+
+/* The entry points NAME_f16 and NAME_f32 (the cache in fp16 or fp32), both calling IMPL(..., f16).  They return 0;
+ * -1 for a shape the kernel refuses, -2 for an empty chunk or one beyond its table, -5 for a block id outside the
+ * cache (nothing is written after -1, -2 or -5), -3 when its working memory cannot be allocated, -4 where this
+ * build lacks the kernel's instructions. */
+#define PREFILL_ENTRY_POINT(NAME, IMPL, ELEMENT, F16)                                                                 \
+    int NAME(const float *q, const ELEMENT *k_cache, const ELEMENT *v_cache, int64_t num_blocks, const int64_t *table, \
+             int width, int64_t start, int n, float *out, int heads, int kv_heads, int dim, int block_size,           \
+             float scale, int threads) {                                                                              \
+        return IMPL(q, k_cache, v_cache, num_blocks, table, width, start, n, out, heads, kv_heads, dim, block_size,   \
+                    scale, threads, F16);                                                                             \
+    }
+#define PREFILL_ENTRY_POINTS(NAME, IMPL)               \
+    PREFILL_ENTRY_POINT(NAME##_f16, IMPL, uint16_t, 1) \
+    PREFILL_ENTRY_POINT(NAME##_f32, IMPL, float, 0)
+
+#endif
