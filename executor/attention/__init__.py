@@ -128,13 +128,15 @@ def cpu_prefill_kernel(setting: str, name: str, num_heads: int, num_kv_heads: in
         if kernel is None:
             raise EngineError(f"prefill_attention {setting!r} is unavailable: {why}")
         return kernel, ""
+    why = "the matrices multiply prefill rows in fp32"
     if bf16_rows:
         kernel, why = _prefill_variant("bf16", name, shape, device, dtype)
-        if kernel is not None or device.type != "cpu" or dtype != torch.float32:
-            return kernel, why
+        if kernel is not None:
+            return kernel, ""
+    if name not in ("auto", "cpu-kernel") or device.type != "cpu" or dtype != torch.float32:
+        return _prefill_variant("fp32", name, shape, device, dtype)  # None and why, without building the library
     if not cpu_prefill.preferred():
-        return None, ("the matrices multiply prefill rows in fp32 (bf16 wherever they are hybrid), and with AVX-512 "
-                      "(or without a built library) PyTorch's flash attention is the fp32 path")
+        return None, f"{why}; with AVX-512 (or without a built library) PyTorch's flash attention is the fp32 path"
     return _prefill_variant("fp32", name, shape, device, dtype)
 
 

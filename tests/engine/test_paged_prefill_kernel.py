@@ -20,7 +20,7 @@ from engine_helpers import BF16_TOL, MAX_NEW, REL_TOL, greedy_generate, hf_logit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentserve.executor.attention import AttentionBatch, cpu_prefill, create_backend
+from agentserve.executor.attention import AttentionBatch, cpu_prefill, cpu_prefill_kernel, create_backend
 from agentserve.executor.attention.torch_backend import TorchAttention
 from agentserve.executor.errors import EngineError
 from agentserve.executor.kernels import build
@@ -207,6 +207,17 @@ def test_auto_takes_the_fp32_kernel_only_on_builds_without_avx512(fp32_kernel):
     assert prefill_kernel("torch", bf16_rows=False) is None
 
 
+def test_auto_builds_nothing_where_no_prefill_kernel_can_run(monkeypatch):
+    """Backend ``torch``, a CUDA device, a bf16 model: ``auto`` answers PyTorch without building the CPU library."""
+    built = []
+    monkeypatch.setattr(build, "library", lambda: built.append(1))
+    cuda = torch.device("cuda")
+    for name, device, dtype in (("torch", CPU, F32), ("auto", cuda, F32), ("auto", CPU, torch.bfloat16)):
+        kernel, why = cpu_prefill_kernel("auto", name, 4, 2, 32, 16, device, dtype, bf16_rows=False)
+        assert kernel is None and why
+    assert not built
+
+
 @pytest.mark.parametrize("setting", ["bf16", "fp32"])
 def test_settings_that_cannot_run_fail_clearly(setting):
     with pytest.raises(EngineError, match="unknown prefill_attention"):
@@ -288,14 +299,13 @@ def test_without_avx512_bf16_auto_takes_fp32_where_avx512_is_absent_and_bf16_fai
                                                                                           tmp_path, flags):
     """The CPUs without AVX512-BF16, checked on either class: without AVX-512 at all (AVX2-only EPYCs) ``auto`` takes
     the fp32 kernel; with AVX-512 but no bf16 it keeps PyTorch; ``bf16`` says why it cannot run."""
+    if not cpu_has("avx2"):
+        pytest.skip("no AVX2 here: no fp32 prefill kernel in any build")
     path, _ = bf16_checkpoints["qwen3_headdim"]
     out = other_build(flags, path, tmp_path)
     assert out["library"] and not out["bf16"] and out["fp32"] and "fp32_error" not in out
     assert "no AVX512-BF16" in out["bf16_error"]
-    if flags == "-mno-avx512f":
-        assert out["auto"] == "fp32"
-    elif cpu_has("avx512f"):
-        assert out["auto"] is None
+    assert out["auto"] == (None if flags == "-mno-avx512bf16" and cpu_has("avx512f") else "fp32")
 
 
 def test_without_avx2_both_kernels_are_absent_and_auto_keeps_pytorch(bf16_checkpoints, tmp_path):
