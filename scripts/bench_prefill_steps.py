@@ -4,20 +4,19 @@ cold chunks at growing context — for several ``prefill_attention`` settings, o
     python scripts/bench_prefill_steps.py --model bench --settings auto,torch --threads 1 --json
 
 Each setting gets its own ``ModelRunner`` over the same checkpoint; every step is run on each runner in turn
-(alternated, so that load from other processes hits all alike), ``--repeats`` times; medians are reported, with the
-ratio of each setting's time to the first one's.  The context is random token ids, prefilled once per runner.
+(``bench_engine.alternate``: load from other processes hits all alike), ``--repeats`` times; medians are reported,
+with the ratio of each setting's time to the first one's.  The context is random token ids, prefilled once per
+runner.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
 import sys
-import time
 
 import torch
+from bench_engine import alternate, tokens
 
 from agentserve.executor.builtin import resolve_model
 from agentserve.executor.runner import ModelRunner, PrefillChunk
@@ -39,26 +38,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     settings = args.settings.split(",")
-    tokens = max(start + n for _, start, n in STEPS)
-    blocks = list(range(-(-tokens // BLOCK_SIZE)))
+    length = max(start + n for _, start, n in STEPS)
+    blocks = list(range(-(-length // BLOCK_SIZE)))
     runners = {s: ModelRunner(path, dtype="auto", device="cpu", num_blocks=len(blocks), block_size=BLOCK_SIZE,
                               prefill_attention=s) for s in settings}
-    first = runners[settings[0]]
-    rng = random.Random(0)
-    context = [rng.randrange(first.config.vocab_size) for _ in range(tokens)]
+    context = tokens(length, runners[settings[0]].config.vocab_size, seed=0)
     for runner in runners.values():
-        for start in range(0, tokens, 512):
+        for start in range(0, length, 512):
             runner.prefill([PrefillChunk(context[start : start + 512], start, blocks)])
     out = {"model": args.model, "threads": args.threads, "kernels": {
         s: r.prefill_kernel.variant if r.prefill_kernel else "torch" for s, r in runners.items()}, "steps": {}}
     for name, start, n in STEPS:
-        times: dict[str, list[float]] = {s: [] for s in settings}
-        for _ in range(args.repeats):
-            for s, runner in runners.items():
-                begin = time.perf_counter()
-                runner.prefill([PrefillChunk(context[start : start + n], start, blocks)])
-                times[s].append(time.perf_counter() - begin)
-        medians = {s: statistics.median(t) * 1e3 for s, t in times.items()}
+        chunk = [PrefillChunk(context[start : start + n], start, blocks)]
+        steps = {s: (lambda r=r, chunk=chunk: r.prefill(chunk)) for s, r in runners.items()}
+        medians = {s: t * 1e3 for s, t in alternate(steps, torch.device("cpu"), args.repeats, warmup=0).items()}
         out["steps"][name] = {"ms": medians, "over_first": {s: m / medians[settings[0]] for s, m in medians.items()}}
         print(f"{name}: " + ", ".join(f"{s} {m:.1f} ms" for s, m in medians.items()), file=sys.stderr)
     if args.json:

@@ -133,21 +133,19 @@ def cpu_prefill_kernel(setting: str, name: str, num_heads: int, num_kv_heads: in
         kernel, why = _prefill_variant("bf16", name, shape, device, dtype)
         if kernel is not None:
             return kernel, ""
-    if name not in ("auto", "cpu-kernel") or device.type != "cpu" or dtype != torch.float32:
-        return _prefill_variant("fp32", name, shape, device, dtype)  # None and why, without building the library
-    if not cpu_prefill.preferred():
-        return None, f"{why}; with AVX-512 (or without a built library) PyTorch's flash attention is the fp32 path"
-    return _prefill_variant("fp32", name, shape, device, dtype)
+    # the fp32 kernel only where it is the faster fp32 path; _compiled asks nothing of the library where no kernel runs
+    return _compiled(lambda: cpu_prefill.load("fp32") if cpu_prefill.preferred() else None,
+                     f"{why}; PyTorch's flash attention is the fp32 path with AVX-512 and where the fp32 kernel is "
+                     "unavailable", name, shape, device, dtype)
 
 
 def _prefill_variant(variant: str, name: str, shape: tuple[int, int, int, int], device: torch.device,
                      dtype: torch.dtype) -> tuple[PagedPrefillKernel | None, str]:
     from agentserve.executor.attention import cpu_prefill
 
-    lacks = {"bf16": "no AVX512-BF16 dot products in this CPU or this compiler's build",
-             "fp32": "no AVX2 + FMA + F16C in this CPU or this compiler's build"}[variant]
-    return _compiled(lambda: cpu_prefill.load(variant), f"{lacks}, or the CPU library could not be built (see the "
-                     "log)", name, shape, device, dtype)
+    return _compiled(lambda: cpu_prefill.load(variant), f"no {cpu_prefill.NEEDS[variant]} in this CPU or this "
+                     "compiler's build, or the CPU library could not be built (see the log)", name, shape, device,
+                     dtype)
 
 
 def _compiled(load: Callable[[], K | None], unavailable: str, name: str, shape: tuple[int, int, int, int],

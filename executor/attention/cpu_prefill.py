@@ -20,10 +20,11 @@ import torch
 
 from agentserve.executor.kernels import build
 
-# per variant: the prefix of its entry points (<prefix>_f16, <prefix>_f32, <prefix>_supports), the function saying
-# whether this build has it, and what the build lacks where it does not
-_SYMBOLS = {"bf16": ("paged_prefill", "paged_prefill_has_bf16", "bf16 dot products (no AVX512-BF16)"),
-            "fp32": ("paged_prefill_fp32", "paged_prefill_fp32_available", "AVX2 + FMA + F16C")}
+# per variant: the prefix of its entry points (<prefix>_f16, <prefix>_f32, <prefix>_supports) and the function
+# saying whether this build has it
+_SYMBOLS = {"bf16": ("paged_prefill", "paged_prefill_has_bf16"),
+            "fp32": ("paged_prefill_fp32", "paged_prefill_fp32_available")}
+NEEDS = {"bf16": "AVX512-BF16 dot products", "fp32": "AVX2 + FMA + F16C"}  # what each variant's build needs
 
 
 class PagedPrefillKernel:
@@ -35,7 +36,7 @@ class PagedPrefillKernel:
     def __init__(self, library: ctypes.CDLL, variant: str = "bf16") -> None:
         ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         self.variant = variant
-        prefix, _, self._lacks = _SYMBOLS[variant]
+        prefix, _ = _SYMBOLS[variant]
         self._fns = {}
         for dtype, name in ((torch.float32, f"{prefix}_f32"), (torch.float16, f"{prefix}_f16")):
             fn = getattr(library, name)
@@ -82,7 +83,7 @@ class PagedPrefillKernel:
         if rc == -3:
             raise MemoryError("paged prefill kernel: no memory for its packed keys and values")
         if rc == -4:
-            raise ValueError(f"this build of the {self.variant} paged prefill kernel has no {self._lacks}")
+            raise ValueError(f"this build of the {self.variant} paged prefill kernel has no {NEEDS[self.variant]}")
         if rc == -5:
             raise ValueError(f"paged prefill kernel: a block id outside [0, {num_blocks})")
         if rc != 0:

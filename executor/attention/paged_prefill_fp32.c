@@ -261,35 +261,26 @@ INLINE void walk_span(const float *restrict qr, Span *sp, const float *restrict 
 
 /* Rows r0 .. r1 - 1 of KV head h (rows ordered token by token, the group's query heads within a token), SPAN at a
  * time, over keys c0 .. c1 - 1.  The rows' accumulators are their output rows (out), their maxima and normalisers
- * m[row], l[row]; the last span repeats its last row to fill a multiple of ROWS, on scratch state. */
+ * m[row], l[row], walked on copies; the last span repeats its last row to fill a multiple of ROWS (the copies'
+ * state goes to scratch and is dropped). */
 INLINE void attend_rows(const float *q, float *out, float *m, float *l, const float *kp, const float *vp,
                         int64_t start, int heads, int group, int h, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
                         float scale, const int dim) {
     float qr[SPAN * MAX_DIM] __attribute__((aligned(32)));
-    float scratch[ROWS][MAX_DIM], scratch_m[SPAN], scratch_l[SPAN];
+    float scratch[ROWS][MAX_DIM], span_m[SPAN], span_l[SPAN];
     for (int64_t r = r0; r < r1; r += SPAN) {
-        const int64_t left = r1 - r;
-        const int rows = left >= SPAN ? SPAN : (int)((left + ROWS - 1) / ROWS * ROWS);
-        if (start + (r + rows - 1 < r1 ? r + rows - 1 : r1 - 1) / group < c0) continue; /* past every key here */
-        Span sp;
-        const int copies = r + rows > r1; /* the rows past r1 copy row r1 - 1 */
-        if (copies) {
-            memcpy(scratch_m, m + r, sizeof(float) * (r1 - r)), memcpy(scratch_l, l + r, sizeof(float) * (r1 - r));
-            sp.m = scratch_m, sp.l = scratch_l;
-        } else {
-            sp.m = m + r, sp.l = l + r;
-        }
+        const int real = r1 - r < SPAN ? (int)(r1 - r) : SPAN, rows = (real + ROWS - 1) / ROWS * ROWS;
+        if (start + (r + real - 1) / group < c0) continue; /* past every key here */
+        Span sp = {.m = span_m, .l = span_l};
         for (int i = 0; i < rows; i++) {
-            const int64_t row = r + i < r1 ? r + i : r1 - 1, token = row / group;
+            const int64_t row = r + (i < real ? i : real - 1), token = row / group;
             const int64_t at = (token * heads + h * group + row % group) * dim;
             memcpy(qr + i * dim, q + at, sizeof(float) * dim);
-            sp.last[i] = start + token;
-            sp.o[i] = r + i < r1 ? out + at : scratch[i % ROWS];
-            if (r + i >= r1) memcpy(sp.o[i], out + at, sizeof(float) * dim), sp.m[i] = m[row], sp.l[i] = l[row];
+            sp.last[i] = start + token, span_m[i] = m[row], span_l[i] = l[row];
+            sp.o[i] = i < real ? out + at : memcpy(scratch[i % ROWS], out + at, sizeof(float) * dim);
         }
         walk_span(qr, &sp, kp, vp, c0, c1, scale, dim, rows);
-        if (copies)
-            memcpy(m + r, scratch_m, sizeof(float) * (r1 - r)), memcpy(l + r, scratch_l, sizeof(float) * (r1 - r));
+        memcpy(m + r, span_m, sizeof(float) * real), memcpy(l + r, span_l, sizeof(float) * real);
     }
 }
 
