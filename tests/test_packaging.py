@@ -53,7 +53,7 @@ def test_wheel_carries_every_module(tmp_path: Path) -> None:
     assert "agentserve/executor/__init__.py" in names
     assert {"agentserve/executor/attention/paged_decode.c", "agentserve/executor/attention/paged_prefill.c",
             "agentserve/executor/attention/paged_prefill_fp32.c", "agentserve/executor/attention/paged_prefill.h",
-            "agentserve/executor/fused/decode_step.c"} <= names
+            "agentserve/executor/attention/simd_math.h", "agentserve/executor/fused/decode_step.c"} <= names
 
 
 def test_every_python_folder_is_mapped() -> None:

@@ -9,21 +9,24 @@
  *   tables        [batch, width]  block ids of each sequence, the first ceil(len / block_size) used
  *   lens          [batch]         tokens of each sequence (> 0), the new one included
  *
- * A sequence's keys are walked block by block with an online softmax per query head (FlashAttention's
- * running maximum m, normaliser l and unnormalised accumulator acc; s_t = scale * q . k_t):
+ * A sequence's keys are walked SPAN tokens at a time (a span: tokens [j SPAN, (j + 1) SPAN), whatever blocks
+ * hold them) with an online softmax per query head (FlashAttention's running maximum m, normaliser l and
+ * unnormalised accumulator acc; s_t = scale * q . k_t):
  *   m' = max(m, max_t s_t);  l' = l e^(m - m') + sum_t e^(s_t - m');  acc' = acc e^(m - m') + sum_t e^(s_t - m') v_t
- * and out = acc / l after the last block.  All KV heads of a block are done before the next block, so the
- * block's rows are read from memory once.  A group of sequences is walked in lockstep (step j: block j of
- * each sequence that has one), so the leading blocks they share (the agents' common system prompt, cached
- * once) are read from memory once per step for all of them, while each sequence still sees its own blocks in
- * their order: its result never depends on the rest of the batch or on `threads`.  Every visit prefetches the
- * next visit's block a few rows at a time, spread over its work (the blocks are scattered, so the hardware's
- * stream prefetcher starts cold at each).  The batch is split into one group of sequences per OpenMP thread
- * (`threads`; with as many threads as sequences each group is one sequence: parallel, but no reuse).  Scores
- * (two query heads per key load) and value sums (four per value load) use AVX2 + FMA where the CPU has both
- * (plain loops otherwise).
- * Compiled with -ffast-math (vectorised exp, reassociated sums), hence no infinities below; subnormals are
- * flushed only inside the call (the caller's floating-point mode is restored).
+ * and out = acc / l after the last span.  The query heads of a KV head's group are taken four at a time (a
+ * quad; a group that is not a multiple of four is padded with copies of its first head, whose results are
+ * dropped): each key is loaded once for the quad's four scores, which land as [token][head] so the softmax
+ * runs across the quad's heads in vector lanes, and each value once for the quad's four sums.  All KV heads of
+ * a span are done before the next span, so the span's rows are read from memory once.  A group of sequences
+ * is walked in lockstep (step j: span j of each sequence that has one), so the leading spans they share (the
+ * agents' common system prompt, cached once) are read from memory once per step for all of them, while each
+ * sequence still sees its own spans in their order: its result never depends on the rest of the batch or on
+ * `threads`.  Every visit prefetches the next visit's span a few rows at a time, spread over its work (blocks
+ * are scattered, so the hardware's stream prefetcher starts cold at each).  The batch is split into one group
+ * of sequences per OpenMP thread (`threads`; with as many threads as sequences each group is one sequence:
+ * parallel, but no reuse).  AVX2 + FMA where the CPU has both (plain loops otherwise).
+ * Compiled with -ffast-math (reassociated sums), hence no infinities below; subnormals are flushed only inside
+ * the call (the caller's floating-point mode is restored).
  */
 #include <float.h>
 #include <math.h>
@@ -40,20 +43,32 @@
 #define HAVE_F16 0
 #endif
 
+#include "simd_math.h"
+
 #define MAX_HEADS 128
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define MAX_BLOCK 64
+#define SPAN 64 /* tokens per visit: one softmax update per query head, the span's rows stay in L1 */
+#define QUAD 4  /* query heads whose scores and value sums are taken together */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define SIMD8 1
+#endif
 
 typedef struct {
     int heads, kv_heads, dim, block_size;
     float scale;
 } Shape;
 
-#define INLINE static inline __attribute__((always_inline))
+/* One sequence's tokens of one span: where each token's row (all KV heads) starts in the key and value caches. */
+typedef struct {
+    const char *k[SPAN], *v[SPAN];
+    int n;
+} Span;
 
-/* Cache elements: `f16` (a constant at every call: the entry points pick one specialised walk) says fp16, else
- * fp32.  AT(p, i) is element i from p; LD1 reads one element as a float. */
+/* Cache elements: `f16` (a constant at every call: the parallel region picks one specialised walk) says fp16,
+ * else fp32.  AT(p, i) is element i from p; LD1 reads one element as a float. */
 #define AT(p, i) ((const void *)((const char *)(p) + (int64_t)(i) * (f16 ? 2 : 4)))
 
 INLINE float LD1(const void *p, const int f16) {
@@ -65,21 +80,28 @@ INLINE float LD1(const void *p, const int f16) {
     return *(const float *)p;
 }
 
+/* Spans holding sequence b's lens[b] tokens. */
+static inline int64_t spans_of(const int64_t *lens, int b) { return (lens[b] + SPAN - 1) / SPAN; }
+
 /* Blocks holding sequence b's lens[b] tokens. */
 static inline int64_t blocks_of(const int64_t *lens, int b, int bs) { return (lens[b] + bs - 1) / bs; }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#define SIMD8 1
-#include <immintrin.h>
-
-/* Eight consecutive cache elements as floats. */
-INLINE __m256 LD8(const void *p, const int f16) {
-#if HAVE_F16
-    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#endif
-    return _mm256_loadu_ps((const float *)p);
+/* Span j of a sequence of `len` tokens whose block ids are `table`; `row` bytes between a block's tokens. */
+INLINE void span_at(Span *restrict sp, const char *k_cache, const char *v_cache, const int64_t *restrict table,
+                    int64_t len, int64_t j, int bs, int64_t row) {
+    const int64_t t0 = j * SPAN;
+    sp->n = (int)(len - t0 < SPAN ? len - t0 : SPAN);
+    int64_t block = t0 / bs;
+    int slot = (int)(t0 % bs);
+    for (int i = 0; i < sp->n; i++) {
+        const int64_t at = (table[block] * bs + slot) * row;
+        sp->k[i] = k_cache + at;
+        sp->v[i] = v_cache + at;
+        if (++slot == bs) slot = 0, block++;
+    }
 }
 
+#ifdef SIMD8
 /* The sums of 8 vectors, one per lane (lane i = the sum of a[i]'s lanes): a horizontal-add tree. */
 INLINE __m256 sum_lanes(const __m256 a[8]) {
     const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -87,51 +109,144 @@ INLINE __m256 sum_lanes(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
-/* Scores of 8 consecutive tokens: q . k_t for t = 0..7, as one vector.  8 independent FMA chains, then a
- * horizontal-add tree that sums each chain into its lane. */
-INLINE __m256 dots8(const float *restrict q, const void *restrict k, int64_t row, const int dim, const int f16) {
+/* Scores of two keys (ka, kb) for a quad's four query heads: lanes 0-3 key a, lanes 4-7 key b.  Each key chunk is
+ * loaded once for the four heads; eight independent FMA chains, then a horizontal-add tree. */
+INLINE __m256 dots_quad(const float *const q[QUAD], const void *restrict ka, const void *restrict kb, const int dim,
+                        const int f16) {
     __m256 a[8];
-    for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
     for (int d = 0; d < dim; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qv, LD8(AT(k, t * row + d), f16), a[t]);
-    }
-    return sum_lanes(a);
-}
-
-/* Scores of 4 consecutive tokens for 2 query heads: lanes 0-3 q0 . k_t, lanes 4-7 q1 . k_t.  Each key chunk
- * is loaded once for both heads. */
-INLINE __m256 dots4x2(const float *restrict q0, const float *restrict q1, const void *restrict k, int64_t row,
-                      const int dim, const int f16) {
-    __m256 a[8];
-    for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
-    for (int d = 0; d < dim; d += 8) {
-        const __m256 x = _mm256_loadu_ps(q0 + d), y = _mm256_loadu_ps(q1 + d);
-        for (int t = 0; t < 4; t++) {
-            __m256 kv = LD8(AT(k, t * row + d), f16);
-            __asm__("" : "+x"(kv)); /* one load for both heads */
-            a[t] = _mm256_fmadd_ps(x, kv, a[t]);
-            a[4 + t] = _mm256_fmadd_ps(y, kv, a[4 + t]);
+        __m256 x = load8(AT(ka, d), f16), y = load8(AT(kb, d), f16);
+        __asm__("" : "+x"(x), "+x"(y)); /* one load of each key chunk for all four heads */
+        for (int i = 0; i < QUAD; i++) {
+            const __m256 qv = _mm256_loadu_ps(q[i] + d);
+            a[i] = _mm256_fmadd_ps(qv, x, a[i]);
+            a[QUAD + i] = _mm256_fmadd_ps(qv, y, a[QUAD + i]);
         }
     }
     return sum_lanes(a);
 }
+#endif
 
-/* acc[i] += sum_t p[i][t] v_t for `rows` (1..4) query heads, two value chunks at a time: each chunk is
- * loaded once for all rows, and 2 x rows independent FMA chains hide the FMA latency. */
-INLINE void accumulate(float *restrict acc, const float *restrict p, const void *restrict vb, int n, int64_t row,
-                       const int dim, const int rows, const int f16) {
-    for (int d = 0; d < dim; d += 16) {
-        __m256 a[4], b[4];
-        for (int i = 0; i < rows; i++) {
-            a[i] = _mm256_loadu_ps(acc + i * dim + d);
-            b[i] = _mm256_loadu_ps(acc + i * dim + d + 8);
+/* Rows [from, to) of the next visit's span (nxt; NULL for none), this KV head's part (`off` bytes into each row),
+ * asked for ahead of use, one cache line at a time; returns the rows asked for so far.  Spread over a visit's
+ * work so the requests never queue up at once. */
+INLINE int prefetch_rows(const Span *nxt, int64_t off, const int dim, int from, int to, const int f16) {
+    if (nxt)
+        for (int t = from; t < to; t++)
+            for (int d = 0; d < dim; d += (f16 ? 32 : 16)) { /* one 64-byte line */
+                __builtin_prefetch(AT(nxt->k[t] + off, d), 0, 3);
+                __builtin_prefetch(AT(nxt->v[t] + off, d), 0, 3);
+            }
+    return to > from ? to : from;
+}
+
+/* Scores s[t][r] (R per token, a multiple of QUAD) of the span's tokens for one KV head's query heads q[r] (its
+ * part of each row `off` bytes in); the next visit's rows of this head prefetched along the way. */
+INLINE void scores(float *restrict s, const float *const *q, int R, const Span *cur, int64_t off, const Span *nxt,
+                   const int dim, const int f16) {
+    const int n = cur->n, pn = nxt ? nxt->n : 0;
+    int fetched = 0;
+#ifdef SIMD8
+    if (dim % 8 == 0) {
+        const int calls = (R / QUAD) * ((n + 1) / 2);
+        for (int r = 0, call = 0; r < R; r += QUAD)
+            for (int t = 0; t < n; t += 2) {
+                fetched = prefetch_rows(nxt, off, dim, fetched, pn * ++call / calls, f16);
+                const int u = t + 1 < n ? t + 1 : t; /* an odd last token pairs with itself */
+                const __m256 v = dots_quad(q + r, cur->k[t] + off, cur->k[u] + off, dim, f16);
+                _mm_storeu_ps(s + t * R + r, _mm256_castps256_ps128(v));
+                if (u != t) _mm_storeu_ps(s + u * R + r, _mm256_extractf128_ps(v, 1));
+            }
+        return;
+    }
+#endif
+    for (int t = 0; t < n; t++) {
+        fetched = prefetch_rows(nxt, off, dim, fetched, pn * (t + 1) / n, f16);
+        for (int r = 0; r < R; r++) {
+            float dot = 0.0f;
+            for (int d = 0; d < dim; d++) dot += q[r][d] * LD1(AT(cur->k[t] + off, d), f16);
+            s[t * R + r] = dot;
         }
+    }
+}
+
+#ifdef SIMD8
+/* softmax for the quad whose scores are s[t * R .. + 3], maxima m[0..3], normalisers l[0..3], factors c[0..3]:
+ * two tokens per vector. */
+INLINE void softmax_quad(float *restrict s, int R, int n, float scale, float *restrict m, float *restrict l,
+                         float *restrict c) {
+    const __m128 old = _mm_loadu_ps(m), k = _mm_set1_ps(scale);
+    __m128 mx = old;
+    for (int t = 0; t < n; t++) {
+        const __m128 x = _mm_mul_ps(_mm_loadu_ps(s + t * R), k);
+        _mm_storeu_ps(s + t * R, x);
+        mx = _mm_max_ps(mx, x);
+    }
+    const __m256 top = _mm256_set_m128(mx, mx);
+    __m256 sum = _mm256_setzero_ps();
+    int t = 0;
+    for (; t + 2 <= n; t += 2) {
+        float *a = s + t * R, *b = a + R;
+        const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_set_m128(_mm_loadu_ps(b), _mm_loadu_ps(a)), top));
+        _mm_storeu_ps(a, _mm256_castps256_ps128(e));
+        _mm_storeu_ps(b, _mm256_extractf128_ps(e, 1));
+        sum = _mm256_add_ps(sum, e);
+    }
+    /* the odd last token's weights and the rescale factors e^(m - m') in one call */
+    const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_set_m128(old, t < n ? _mm_loadu_ps(s + t * R) : mx), top));
+    __m128 total = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    if (t < n) {
+        _mm_storeu_ps(s + t * R, _mm256_castps256_ps128(e));
+        total = _mm_add_ps(total, _mm256_castps256_ps128(e));
+    }
+    const __m128 factor = _mm256_extractf128_ps(e, 1);
+    _mm_storeu_ps(l, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(l), factor), total));
+    _mm_storeu_ps(m, mx);
+    _mm_storeu_ps(c, factor);
+}
+#endif
+
+/* The online-softmax update of one KV head's R query heads over the span's n tokens: s[t][r] holds their scores
+ * and becomes their weights e^(scale s - m'); m and l move to the new maxima and normalisers; c gets each head's
+ * rescale factor e^(m - m') for its accumulator. */
+INLINE void softmax(float *restrict s, int R, int n, float scale, float *restrict m, float *restrict l,
+                    float *restrict c) {
+#ifdef SIMD8
+    for (int r = 0; r < R; r += QUAD) softmax_quad(s + r, R, n, scale, m + r, l + r, c + r);
+#else
+    for (int r = 0; r < R; r++) {
+        float mx = m[r], sum = 0.0f;
         for (int t = 0; t < n; t++) {
-            __m256 v0 = LD8(AT(vb, t * row + d), f16), v1 = LD8(AT(vb, t * row + d + 8), f16);
+            s[t * R + r] *= scale;
+            mx = s[t * R + r] > mx ? s[t * R + r] : mx;
+        }
+        for (int t = 0; t < n; t++) sum += s[t * R + r] = expf(s[t * R + r] - mx);
+        c[r] = expf(m[r] - mx);
+        l[r] = l[r] * c[r] + sum;
+        m[r] = mx;
+    }
+#endif
+}
+
+#ifdef SIMD8
+/* acc[i] = c[i] acc[i] + sum_t p[t][i] v_t for `rows` (1..4) query heads (p's rows R apart), two value chunks at a
+ * time: each chunk is loaded once for all rows, and 2 x rows independent FMA chains hide the FMA latency. */
+INLINE void accumulate(float *restrict acc, const float *restrict c, const float *restrict p, int R, const Span *sp,
+                       int64_t off, const int dim, const int rows, const int f16) {
+    for (int d = 0; d < dim; d += 16) {
+        __m256 a[QUAD], b[QUAD];
+        for (int i = 0; i < rows; i++) {
+            const __m256 k = _mm256_set1_ps(c[i]);
+            a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * dim + d), k);
+            b[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * dim + d + 8), k);
+        }
+        for (int t = 0; t < sp->n; t++) {
+            const char *vt = sp->v[t] + off;
+            __m256 v0 = load8(AT(vt, d), f16), v1 = load8(AT(vt, d + 8), f16);
             __asm__("" : "+x"(v0), "+x"(v1)); /* keep the value chunk in registers for all rows */
             for (int i = 0; i < rows; i++) {
-                const __m256 w = _mm256_set1_ps(p[i * MAX_BLOCK + t]);
+                const __m256 w = _mm256_set1_ps(p[t * R + i]);
                 a[i] = _mm256_fmadd_ps(w, v0, a[i]);
                 b[i] = _mm256_fmadd_ps(w, v1, b[i]);
             }
@@ -144,154 +259,116 @@ INLINE void accumulate(float *restrict acc, const float *restrict p, const void 
 }
 #endif
 
-INLINE void scores(const float *restrict q, const void *restrict kb, int n, int64_t row, const int dim,
-                   float *restrict s, const int f16) {
-    int t = 0;
-#ifdef SIMD8
-    if (dim % 8 == 0)
-        for (; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, dots8(q, AT(kb, t * row), row, dim, f16));
-#endif
-    for (; t < n; t++) {
-        float dot = 0.0f;
-        for (int d = 0; d < dim; d++) dot += q[d] * LD1(AT(kb, t * row + d), f16);
-        s[t] = dot;
-    }
-}
-
-INLINE void values(float *restrict acc, const float *restrict p, const void *restrict vb, int n, int64_t row,
-                   int group, const int dim, const int f16) {
+/* acc[g] = c[g] acc[g] + sum_t p[t][g] v_t for the `group` query heads of one KV head. */
+INLINE void values(float *restrict acc, const float *restrict c, const float *restrict p, int R, int group,
+                   const Span *sp, int64_t off, const int dim, const int f16) {
     int g = 0;
 #ifdef SIMD8
     if (dim % 16 == 0) {
-        for (; g + 4 <= group; g += 4) accumulate(acc + g * dim, p + g * MAX_BLOCK, vb, n, row, dim, 4, f16);
-        for (; g < group; g++) accumulate(acc + g * dim, p + g * MAX_BLOCK, vb, n, row, dim, 1, f16);
+        for (; g + QUAD <= group; g += QUAD) accumulate(acc + g * dim, c + g, p + g, R, sp, off, dim, QUAD, f16);
+        for (; g < group; g++) accumulate(acc + g * dim, c + g, p + g, R, sp, off, dim, 1, f16);
     }
 #endif
-    for (; g < group; g++)
-        for (int t = 0; t < n; t++)
-            for (int d = 0; d < dim; d++) acc[g * dim + d] += p[g * MAX_BLOCK + t] * LD1(AT(vb, t * row + d), f16);
-}
-
-/* Rows [from, to) of this head's keys and values in the next block (pk, pv; NULL for none), asked for ahead
- * of use, one cache line at a time; returns the rows asked for so far.  Spread over the block's work so the
- * requests never queue up at once. */
-INLINE int prefetch_rows(const void *pk, const void *pv, int64_t row, const int dim, int from, int to,
-                         const int f16) {
-    if (pk)
-        for (int t = from; t < to; t++)
-            for (int d = 0; d < dim; d += (f16 ? 32 : 16)) { /* one 64-byte line */
-                __builtin_prefetch(AT(pk, t * row + d), 0, 3);
-                __builtin_prefetch(AT(pv, t * row + d), 0, 3);
-            }
-    return to > from ? to : from;
-}
-
-/* One block of one KV head: n tokens whose keys/values start at kb/vb, `row` floats apart; the group's
- * query heads q[g], running m[g], l[g], acc[g] updated in place; the next block's pn rows of this head
- * (pk, pv) prefetched along the way. */
-INLINE void attend_block(const float *restrict q, const void *restrict kb, const void *restrict vb, int n,
-                         int64_t row, int group, const int dim, float scale, float *restrict m, float *restrict l,
-                         float *restrict acc, const void *pk, const void *pv, int pn, const int f16) {
-    float p[MAX_GROUP * MAX_BLOCK];
-    int paired = 0, fetched = 0; /* query heads whose scores are in p; next-block rows asked for */
-#ifdef SIMD8
-    if (dim % 8 == 0)
-        for (; paired + 2 <= group; paired += 2) {
-            const float *q0 = q + paired * dim, *q1 = q0 + dim;
-            float *s0 = p + paired * MAX_BLOCK, *s1 = s0 + MAX_BLOCK;
-            int t = 0;
-            const int calls = (group / 2) * (n / 4);
-            for (; t + 4 <= n; t += 4) {
-                const int call = (paired / 2) * (n / 4) + t / 4;
-                fetched = prefetch_rows(pk, pv, row, dim, fetched, pn * (call + 1) / calls, f16);
-                const __m256 v = dots4x2(q0, q1, AT(kb, t * row), row, dim, f16);
-                _mm_storeu_ps(s0 + t, _mm256_castps256_ps128(v));
-                _mm_storeu_ps(s1 + t, _mm256_extractf128_ps(v, 1));
-            }
-            scores(q0, AT(kb, t * row), n - t, row, dim, s0 + t, f16); /* the last n % 4 tokens */
-            scores(q1, AT(kb, t * row), n - t, row, dim, s1 + t, f16);
-        }
-#endif
-    for (int g = 0; g < group; g++) {
-        fetched = prefetch_rows(pk, pv, row, dim, fetched, pn * (g + 1) / group, f16);
-        float *restrict s = p + g * MAX_BLOCK;
-        if (g >= paired) scores(q + g * dim, kb, n, row, dim, s, f16);
-        float mx = m[g];
-        for (int t = 0; t < n; t++) {
-            s[t] *= scale;
-            mx = s[t] > mx ? s[t] : mx;
-        }
-        float sum = 0.0f;
-        for (int t = 0; t < n; t++) {
-            s[t] = expf(s[t] - mx);
-            sum += s[t];
-        }
-        if (mx > m[g]) { /* a new maximum rescales the running sums (to 0 on the first block, m = -FLT_MAX) */
-            const float c = expf(m[g] - mx);
-            l[g] *= c;
-            for (int d = 0; d < dim; d++) acc[g * dim + d] *= c;
-        }
-        l[g] += sum;
-        m[g] = mx;
+    for (; g < group; g++) {
+        for (int d = 0; d < dim; d++) acc[g * dim + d] *= c[g];
+        for (int t = 0; t < sp->n; t++)
+            for (int d = 0; d < dim; d++) acc[g * dim + d] += p[t * R + g] * LD1(AT(sp->v[t] + off, d), f16);
     }
-    values(acc, p, vb, n, row, group, dim, f16);
 }
 
-/* Block number j of one sequence (cache block `id`) into its running state (m, l, acc for each of its heads); `next`
- * is the block to ask for ahead of use (-1 for none). */
-INLINE void attend_one(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
-                       int64_t id, int64_t j, int64_t len, float *restrict m, float *restrict l, float *restrict acc,
-                       Shape sh, const int dim, int64_t next, const int f16) {
-    const int kv_heads = sh.kv_heads, bs = sh.block_size, group = sh.heads / kv_heads;
-    const int64_t row = (int64_t)kv_heads * dim; /* floats between consecutive tokens of one block */
-    const int n = (int)(len - j * bs < bs ? len - j * bs : bs);
-    const int64_t base = id * bs * row, nbase = next < 0 ? 0 : next * bs * row;
-    for (int h = 0; h < kv_heads; h++) {
+/* One visit: a sequence's query heads q [heads, dim] and running m, l, acc against its span `cur`; the next
+ * visit's span `nxt` (NULL for none) prefetched along the way. */
+INLINE void attend_span(const float *restrict q, const Span *cur, const Span *nxt, float *restrict m,
+                        float *restrict l, float *restrict acc, Shape sh, const int dim, const int f16) {
+    const int group = sh.heads / sh.kv_heads, R = (group + QUAD - 1) / QUAD * QUAD;
+    float s[SPAN * MAX_GROUP];
+    for (int h = 0; h < sh.kv_heads; h++) {
         const int first = h * group;
-        attend_block(q + first * dim, AT(k_cache, base + h * dim), AT(v_cache, base + h * dim), n, row, group, dim,
-                     sh.scale, m + first, l + first, acc + first * dim, next < 0 ? NULL : AT(k_cache, nbase + h * dim),
-                     next < 0 ? NULL : AT(v_cache, nbase + h * dim), bs, f16);
-    }
-}
-
-/* The cache block of the visit after sequence b's block `step` in attend_group's order; -1 after the last. */
-static int64_t next_block(const int64_t *tables, const int64_t *lens, int b, int64_t step, int b0, int b1, int width,
-                          int bs, int64_t steps) {
-    for (;;) {
-        if (++b == b1) {
-            b = b0;
-            if (++step == steps) return -1;
+        const float *rows[MAX_GROUP];
+        float mh[MAX_GROUP], lh[MAX_GROUP], c[MAX_GROUP];
+        for (int r = 0; r < R; r++) { /* padding: copies of the first head, on a state of their own */
+            rows[r] = q + (int64_t)(first + (r < group ? r : 0)) * dim;
+            mh[r] = r < group ? m[first + r] : -FLT_MAX;
+            lh[r] = r < group ? l[first + r] : 0.0f;
         }
-        if (step < blocks_of(lens, b, bs)) return tables[(int64_t)b * width + step];
+        const int64_t off = (int64_t)h * dim * (f16 ? 2 : 4);
+        scores(s, rows, R, cur, off, nxt, dim, f16);
+        softmax(s, R, cur->n, sh.scale, mh, lh, c);
+        for (int r = 0; r < group; r++) m[first + r] = mh[r], l[first + r] = lh[r];
+        values(acc + (int64_t)first * dim, c, s, R, group, cur, off, dim, f16);
     }
 }
 
-/* Sequences [b0, b1) in lockstep: step j visits block j of every sequence that has one.  Each sequence's
- * blocks are visited in their own order, so its result never depends on the rest of the batch, and the
- * leading blocks the sequences share (the agents' system prompt, cached once) are read from memory once
- * per step for all of them.  Every visit prefetches the next visit's block.  The unnormalised accumulators
- * live in `out` until the final division. */
+/* The visit after sequence b's span j in lockstep order (span by span, sequences [b0, b1) in order): 1 with b and
+ * j moved to it, 0 after the last. */
+static int next_visit(const int64_t *lens, int *b, int64_t *j, int b0, int b1, int64_t steps) {
+    int nb = *b;
+    int64_t nj = *j;
+    for (;;) {
+        if (++nb == b1) {
+            nb = b0;
+            if (++nj == steps) return 0;
+        }
+        if (nj < spans_of(lens, nb)) {
+            *b = nb, *j = nj;
+            return 1;
+        }
+    }
+}
+
+/* Sequences [b0, b1) in lockstep: step j visits span j of every sequence that has one.  Each sequence's spans
+ * are visited in their own order, so its result never depends on the rest of the batch, and the leading spans
+ * the sequences share (the agents' system prompt, cached once) are read from memory once per step for all of
+ * them.  Every visit prefetches the next visit's span unless it is the same.  The unnormalised accumulators live
+ * in `out` until the final division. */
 INLINE void attend_group(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
                          const int64_t *restrict tables, const int64_t *restrict lens, float *restrict out,
                          float *restrict m, float *restrict l, int b0, int b1, int width, Shape sh, const int dim,
                          const int f16) {
     const int heads = sh.heads, bs = sh.block_size;
+    const int64_t row = (int64_t)sh.kv_heads * dim * (f16 ? 2 : 4); /* bytes between a block's tokens */
     int64_t steps = 0;
-    for (int b = b0; b < b1; b++) steps = blocks_of(lens, b, bs) > steps ? blocks_of(lens, b, bs) : steps;
+    for (int b = b0; b < b1; b++) steps = spans_of(lens, b) > steps ? spans_of(lens, b) : steps;
     for (int64_t i = (int64_t)b0 * heads; i < (int64_t)b1 * heads; i++) m[i] = -FLT_MAX, l[i] = 0.0f;
     memset(out + (int64_t)b0 * heads * dim, 0, sizeof(float) * (b1 - b0) * heads * dim);
-    for (int64_t j = 0; j < steps; j++)
-        for (int b = b0; b < b1; b++) {
-            if (j >= blocks_of(lens, b, bs)) continue;
-            const int64_t at = (int64_t)b * heads, id = tables[(int64_t)b * width + j];
-            const int64_t next = next_block(tables, lens, b, j, b0, b1, width, bs, steps);
-            attend_one(q + at * dim, k_cache, v_cache, id, j, lens[b], m + at, l + at, out + at * dim, sh, dim,
-                       next == id ? -1 : next, f16);
+    Span spans[2];
+    int b = b1 - 1, cur = 0;
+    int64_t j = -1;
+    int more = next_visit(lens, &b, &j, b0, b1, steps);
+    if (more) span_at(&spans[0], k_cache, v_cache, tables + (int64_t)b * width, lens[b], j, bs, row);
+    while (more) {
+        const int at = b;
+        int nb = b;
+        int64_t nj = j;
+        more = next_visit(lens, &nb, &nj, b0, b1, steps);
+        const Span *nxt = NULL;
+        if (more) {
+            Span *sp = &spans[1 - cur];
+            span_at(sp, k_cache, v_cache, tables + (int64_t)nb * width, lens[nb], nj, bs, row);
+            const Span *now = &spans[cur];
+            if (sp->n != now->n || sp->k[0] != now->k[0] || sp->k[sp->n - 1] != now->k[now->n - 1]) nxt = sp;
         }
+        const int64_t first = (int64_t)at * heads;
+        attend_span(q + first * dim, &spans[cur], nxt, m + first, l + first, out + first * dim, sh, dim, f16);
+        cur = 1 - cur, b = nb, j = nj;
+    }
     for (int64_t i = (int64_t)b0 * heads; i < (int64_t)b1 * heads; i++) {
         const float inv = 1.0f / l[i];
         for (int d = 0; d < dim; d++) out[i * dim + d] *= inv;
     }
+}
+
+/* attend_group with dims 64 and 128 as constants (their inner loops unroll into whole vectors). */
+INLINE void attend_group_as(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
+                            const int64_t *restrict tables, const int64_t *restrict lens, float *restrict out,
+                            float *restrict m, float *restrict l, int b0, int b1, int width, Shape sh, int dim,
+                            const int f16) {
+    if (dim == 64)
+        attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, width, sh, 64, f16);
+    else if (dim == 128)
+        attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, width, sh, 128, f16);
+    else
+        attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, width, sh, dim, f16);
 }
 
 /* 1 when the kernel takes this model shape (its stack buffers are sized by the limits above), else 0. */
@@ -311,8 +388,7 @@ static int valid_tables(const int64_t *tables, const int64_t *lens, int batch, i
     return 1;
 }
 
-/* One group of sequences per thread, with dims 64 and 128 as constants (their inner loops unroll into whole
- * vectors) and the cache's element type `f16` as a constant (one specialised walk each). */
+/* One group of sequences per thread. */
 INLINE int paged_decode(const float *q, const void *k_cache, const void *v_cache, int64_t num_blocks,
                         const int64_t *tables, const int64_t *lens, float *out, int batch, int heads, int kv_heads,
                         int dim, int block_size, int width, float scale, int threads, const int f16) {
@@ -331,12 +407,11 @@ INLINE int paged_decode(const float *q, const void *k_cache, const void *v_cache
 #endif
         const int b0 = (int)((int64_t)batch * g / groups), b1 = (int)((int64_t)batch * (g + 1) / groups);
         float *m = state, *l = state + (size_t)batch * heads;
-        if (dim == 64)
-            attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, width, sh, 64, f16);
-        else if (dim == 128)
-            attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, width, sh, 128, f16);
+        if (f16) /* the element type as a constant inside the region (OpenMP outlines the region once, before
+                  * inlining, so the entry points' constants would not reach it) */
+            attend_group_as(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, width, sh, dim, 1);
         else
-            attend_group(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, width, sh, dim, f16);
+            attend_group_as(q, k_cache, v_cache, tables, lens, out, m, l, b0, b1, width, sh, dim, 0);
 #ifdef __SSE__
         _mm_setcsr(csr);
 #endif

@@ -49,8 +49,6 @@ int paged_prefill_supports(int heads, int kv_heads, int dim, int block_size) {
 }
 
 #if HAVE_BF16_DOT
-#define INLINE static inline __attribute__((always_inline))
-
 /* Element i from p (fp16 when `f16`, else fp32). */
 #define AT(p, i) ((const void *)((const char *)(p) + (int64_t)(i) * (f16 ? 2 : 4)))
 
@@ -151,14 +149,14 @@ INLINE void pack_values(uint32_t *restrict vp, const void *v_cache, const int64_
     }
 }
 
-/* e^x for x <= 0 (lanes of -inf or far below give 0 or a negligible positive): 2^n * 2^f (paged_prefill.h; its
+/* e^x for x <= 0 (lanes of -inf or far below give 0 or a negligible positive): 2^n * 2^f (simd_math.h; its
  * error far below the bf16 rounding the weights get next). */
 INLINE __m512 exp_neg(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    return _mm512_scalef_ps(PREFILL_EXP2_FRACTION(_mm512_fmadd_ps, _mm512_set1_ps, f), n);
+    return _mm512_scalef_ps(EXP2_FRACTION(_mm512_fmadd_ps, _mm512_set1_ps, f), n);
 }
 
 /* R query rows (row r: qp + r * QP_STRIDE, dim/2 bf16 pairs, attending keys 0 .. last[r]) over the packed keys kp and

@@ -7,13 +7,14 @@
 #define AGENTSERVE_PAGED_PREFILL_H
 #include <stdint.h>
 
+#include "simd_math.h"
+
 #define PREFILL_MAX_HEADS 128
 #define PREFILL_MAX_BLOCK 64
 
 /* Address of key/value `t` of KV head h in a cache of fp16 (`f16`) or fp32 elements, through the block table. */
-static inline __attribute__((always_inline)) const void *prefill_token_at(const void *cache, const int64_t *table,
-                                                                           int64_t t, int bs, int kv_heads, int h,
-                                                                           const int dim, const int f16) {
+INLINE const void *prefill_token_at(const void *cache, const int64_t *table, int64_t t, int bs, int kv_heads, int h,
+                                    const int dim, const int f16) {
     const int64_t slot = table[t / bs] * bs + t % bs;
     return (const char *)cache + ((slot * kv_heads + h) * (int64_t)dim) * (f16 ? 2 : 4);
 }
@@ -28,15 +29,6 @@ static inline int prefill_check_chunk(const int64_t *table, int width, int64_t n
         if (table[j] < 0 || table[j] >= num_blocks) return -5;
     return 0;
 }
-
-/* 2^f for |f| <= 0.5 in any vector width (`fmadd`, `set1` its intrinsics): a degree-6 fit by Horner's rule,
- * relative error ~1e-7.  The kernels' e^x = 2^n * 2^f with n = round(x log2 e). */
-#define PREFILL_EXP2_FRACTION(fmadd, set1, f)                                                                     \
-    fmadd(fmadd(fmadd(fmadd(fmadd(fmadd(set1(1.5353362e-4f), f, set1(1.3398874e-3f)), f, set1(9.6184875e-3f)), f, \
-                            set1(5.5503324e-2f)),                                                                 \
-                      f, set1(2.4022652e-1f)),                                                                    \
-                f, set1(6.9314718e-1f)),                                                                          \
-          f, set1(1.0f))
 
 /* How many ranges a KV head's `units` (groups of rows) are cut into for `threads`: several per thread, taken in
  * turn, since later rows attend more keys (causal); one on one thread. */

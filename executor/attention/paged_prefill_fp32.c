@@ -64,14 +64,6 @@ int paged_prefill_fp32_supports(int heads, int kv_heads, int dim, int block_size
 }
 
 #if HAVE_FMA8
-#define INLINE static inline __attribute__((always_inline))
-
-/* 8 cache elements from p as floats (fp16 when `f16`, else fp32). */
-INLINE __m256 load8(const void *p, const int f16) {
-    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_loadu_ps((const float *)p);
-}
-
 /* r[i] holds row i of an 8 x 8 matrix of floats; afterwards r[i] holds column i. */
 INLINE void transpose8(__m256 r[8]) {
     __m256 t[8];
@@ -118,17 +110,6 @@ INLINE void pack(float *restrict kp, float *restrict vp, const void *k_cache, co
         const char *src = prefill_token_at(v_cache, table, t, bs, kv_heads, h, dim, f16);
         for (int d = 0; d < dim; d += 8) _mm256_store_ps(dst + d, load8(src + (int64_t)d * (f16 ? 2 : 4), f16));
     }
-}
-
-/* e^x for x <= 0 (lanes far below give 0 or a negligible positive): 2^n * 2^f (paged_prefill.h). */
-INLINE __m256 exp_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
-    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(t, n);
-    const __m256 p = PREFILL_EXP2_FRACTION(_mm256_fmadd_ps, _mm256_set1_ps, f);
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 INLINE float hmax8(__m256 v) {
@@ -216,11 +197,11 @@ INLINE float softmax_step(float *restrict s, float *m, float *l, int64_t last, i
         top = _mm256_max_ps(top, x[j]);
     }
     const float block_max = hmax8(top), mx = block_max > *m ? block_max : *m;
-    const float c = _mm_cvtss_f32(_mm256_castps256_ps128(exp_neg(_mm256_set1_ps(*m - mx))));
+    const float c = _mm_cvtss_f32(_mm256_castps256_ps128(exp_neg8(_mm256_set1_ps(*m - mx))));
     *m = mx;
     __m256 sum = _mm256_setzero_ps();
     for (int j = 0; j < BLOCK / 8; j++) {
-        __m256 p = exp_neg(_mm256_sub_ps(x[j], _mm256_set1_ps(mx)));
+        __m256 p = exp_neg8(_mm256_sub_ps(x[j], _mm256_set1_ps(mx)));
         if (masked) p = _mm256_and_ps(p, keep[j]);
         sum = _mm256_add_ps(sum, p);
         _mm256_store_ps(s + 8 * j, p);

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 _EXECUTOR = Path(__file__).parents[1]
 SOURCES = (_EXECUTOR / "attention" / "paged_decode.c", _EXECUTOR / "fused" / "decode_step.c",
            _EXECUTOR / "attention" / "paged_prefill.c", _EXECUTOR / "attention" / "paged_prefill_fp32.c")
-HEADERS = (_EXECUTOR / "attention" / "paged_prefill.h",)  # included by sources: part of the cache key
+HEADERS = (_EXECUTOR / "attention" / "paged_prefill.h", _EXECUTOR / "attention" / "simd_math.h")  # included: in the key
 LIBRARY = "paged_decode.so"  # the file name inside its cache folder
 # -ffast-math (vectorised expf, reassociated sums) only when compiling: on the link line gcc would add
 # crtfastmath.o, which flushes subnormals to zero for the whole process as soon as the library loads.
