@@ -14,9 +14,10 @@
  * unnormalised accumulator acc; s_t = scale * q . k_t):
  *   m' = max(m, max_t s_t);  l' = l e^(m - m') + sum_t e^(s_t - m');  acc' = acc e^(m - m') + sum_t e^(s_t - m') v_t
  * and out = acc / l after the last span.  The query heads of a KV head's group are taken four at a time (a
- * quad; a group that is not a multiple of four is padded with copies of its first head, whose results are
- * dropped): each key is loaded once for the quad's four scores, which land as [token][head] so the softmax
- * runs across the quad's heads in vector lanes, and each value once for the quad's four sums.  All KV heads of
+ * quad; a group that is not a multiple of four is padded, with copies of its first head where the group is
+ * three or more, whose results are dropped): each key is loaded once for the quad's four scores, which land as
+ * [token][head] so the softmax runs across the quad's heads in vector lanes, and each value once for the quad's
+ * four sums.  Groups of one or two heads take eight or four keys per call instead (no padded products).  All KV heads of
  * a span are done before the next span, so the span's rows are read from memory once.  A group of sequences
  * is walked in lockstep (step j: span j of each sequence that has one), so the leading spans they share (the
  * agents' common system prompt, cached once) are read from memory once per step for all of them, while each
@@ -49,7 +50,7 @@
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define MAX_BLOCK 64
-#define SPAN 64 /* tokens per visit: one softmax update per query head, the span's rows stay in L1 */
+#define SPAN 16 /* tokens per visit: one softmax update per query head; a KV head's part stays in L1 beside the next */
 #define QUAD 4  /* query heads whose scores and value sums are taken together */
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -141,13 +142,67 @@ INLINE int prefetch_rows(const Span *nxt, int64_t off, const int dim, int from, 
     return to > from ? to : from;
 }
 
+#ifdef SIMD8
+/* Scores of eight keys (k[i] + off) for one query head, lane i key i: eight independent FMA chains. */
+INLINE __m256 dots_one8(const float *restrict q, const char *const *k, int64_t off, const int dim, const int f16) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int d = 0; d < dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, load8(AT(k[i] + off, d), f16), a[i]);
+    }
+    return sum_lanes(a);
+}
+
+/* Scores of four keys for two query heads: lane i key i for q0, lane 4 + i key i for q1; each key chunk loaded
+ * once for both heads. */
+INLINE __m256 dots_two4(const float *restrict q0, const float *restrict q1, const char *const *k, int64_t off,
+                        const int dim, const int f16) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int d = 0; d < dim; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q0 + d), y = _mm256_loadu_ps(q1 + d);
+        for (int i = 0; i < 4; i++) {
+            __m256 kv = load8(AT(k[i] + off, d), f16);
+            __asm__("" : "+x"(kv)); /* one load for both heads */
+            a[i] = _mm256_fmadd_ps(x, kv, a[i]);
+            a[4 + i] = _mm256_fmadd_ps(y, kv, a[4 + i]);
+        }
+    }
+    return sum_lanes(a);
+}
+
+/* Scores s[t][r] for a group of one or two heads (`group`), `per` = 8 / group keys a call; a last short call
+ * repeats the span's last key and keeps only its real lanes. */
+INLINE void scores_narrow(float *restrict s, const float *const *q, int R, int group, const Span *cur, int64_t off,
+                          const Span *nxt, const int dim, const int f16) {
+    const int n = cur->n, pn = nxt ? nxt->n : 0, per = 8 / group, calls = (n + per - 1) / per;
+    int fetched = 0;
+    for (int t = 0, call = 0; t < n; t += per) {
+        fetched = prefetch_rows(nxt, off, dim, fetched, pn * ++call / calls, f16);
+        const char *k[8];
+        for (int i = 0; i < per; i++) k[i] = cur->k[t + i < n ? t + i : n - 1];
+        float v[8];
+        _mm256_storeu_ps(v, group == 1 ? dots_one8(q[0], k, off, dim, f16) : dots_two4(q[0], q[1], k, off, dim, f16));
+        for (int i = 0; i < per && t + i < n; i++)
+            for (int r = 0; r < group; r++) s[(t + i) * R + r] = v[r * per + i];
+    }
+}
+#endif
+
 /* Scores s[t][r] (R per token, a multiple of QUAD) of the span's tokens for one KV head's query heads q[r] (its
- * part of each row `off` bytes in); the next visit's rows of this head prefetched along the way. */
-INLINE void scores(float *restrict s, const float *const *q, int R, const Span *cur, int64_t off, const Span *nxt,
-                   const int dim, const int f16) {
+ * part of each row `off` bytes in; rows from `group` on are padding); the next visit's rows of this head
+ * prefetched along the way.  A group of one or two heads leaves its padded rows as they are. */
+INLINE void scores(float *restrict s, const float *const *q, int R, int group, const Span *cur, int64_t off,
+                   const Span *nxt, const int dim, const int f16) {
     const int n = cur->n, pn = nxt ? nxt->n : 0;
     int fetched = 0;
+    (void)group; /* the plain loops below score the padded rows too */
 #ifdef SIMD8
+    if (dim % 8 == 0 && group < 3) {
+        scores_narrow(s, q, R, group, cur, off, nxt, dim, f16);
+        return;
+    }
     if (dim % 8 == 0) {
         const int calls = (R / QUAD) * ((n + 1) / 2);
         for (int r = 0, call = 0; r < R; r += QUAD)
@@ -282,6 +337,8 @@ INLINE void attend_span(const float *restrict q, const Span *cur, const Span *nx
                         float *restrict l, float *restrict acc, Shape sh, const int dim, const int f16) {
     const int group = sh.heads / sh.kv_heads, R = (group + QUAD - 1) / QUAD * QUAD;
     float s[SPAN * MAX_GROUP];
+    for (int t = 0; t < SPAN; t++) /* rows no score path writes (narrow groups): finite, their lanes unused */
+        for (int r = group; r < R; r++) s[t * R + r] = 0.0f;
     for (int h = 0; h < sh.kv_heads; h++) {
         const int first = h * group;
         const float *rows[MAX_GROUP];
@@ -292,7 +349,7 @@ INLINE void attend_span(const float *restrict q, const Span *cur, const Span *nx
             lh[r] = r < group ? l[first + r] : 0.0f;
         }
         const int64_t off = (int64_t)h * dim * (f16 ? 2 : 4);
-        scores(s, rows, R, cur, off, nxt, dim, f16);
+        scores(s, rows, R, group, cur, off, nxt, dim, f16);
         softmax(s, R, cur->n, sh.scale, mh, lh, c);
         for (int r = 0; r < group; r++) m[first + r] = mh[r], l[first + r] = lh[r];
         values(acc + (int64_t)first * dim, c, s, R, group, cur, off, dim, f16);
