@@ -198,8 +198,18 @@ class LaneWorker:
         if not self._preempting:  # the common case, once per layer: no lock
             return
         while (item := self._take_preempting()) is not None:
-            with layer_callback(None):  # one level: a preempting step is not preempted in turn
+            with layer_callback(self._refit):  # one level: a preempting step is not preempted in turn
                 self._last_end = self._step(item, self._binding, self._last_end)
+
+    def _between_layers(self) -> None:
+        """A CPU lane's layer hook: preempting steps first, then the backend's between-layer work (the core loan)."""
+        self.run_preempting()
+        self._refit()
+
+    def _refit(self) -> None:
+        """The backend's between-layer work alone (inside a preempting step too: decode may want its cores back)."""
+        if self._binding is not None:
+            self.backend.between_layers(self._binding)
 
     def _take_preempting(self, item: _Item | None = None) -> _Item | None:
         """``item`` if it has not run yet (its turn in the queue); else the oldest one if its markers are done."""
@@ -262,7 +272,7 @@ class LaneWorker:
                     except BaseException as e:
                         self._fail(item, e)
                         continue
-                with layer_callback(self.run_preempting if self.backend.unit == "cores" else None):
+                with layer_callback(self._between_layers if self.backend.unit == "cores" else None):
                     self._last_end = self._step(item, binding, self._last_end)
         finally:
             stack.close()

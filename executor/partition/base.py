@@ -109,8 +109,16 @@ class PartitionBackend(ABC):
     def step_scope(self, binding: LaneBinding, num_tokens: int) -> AbstractContextManager[None]:
         """Settings for one step of ``num_tokens`` tokens inside ``binding`` (enter on the lane thread).
 
-        None by default; the CPU backend picks the step's intra-op thread count."""
+        None by default; the CPU backend picks the step's intra-op thread count and lends decode's idle cores to
+        a shared-rung prefill step."""
         return nullcontext()
+
+    def between_layers(self, binding: LaneBinding) -> None:
+        """Called on the lane thread between the layers of a step inside ``binding`` (CPU cores only).
+
+        Nothing by default; the CPU backend lets a shared-rung prefill step widen onto decode's idle cores
+        and give them back here."""
+        return None
 
     def in_use(self) -> dict[tuple[Lane, int], int]:
         return self._guard.in_use()

@@ -18,15 +18,18 @@ intra-op thread: its matmuls are memory-bound, so one thread moves nearly what t
 thread adds an OpenMP barrier per op that stalls whenever the other core is busy (the orchestrator, a
 client, the prefill lane).  Larger steps use the binding's thread count.
 
-On the shared (top) rung both lanes may use every core, and the prefill lane thread runs at
-``SCHED_IDLE`` — the CPU analogue of decode's high-priority stream: decode preempts prefill, and
-prefill soaks up the cycles decode leaves (between steps, Python gaps).  The lane thread's OpenMP
-workers take the policy only if they are created after the switch, and keep it: a worker first
-created on a partitioned rung keeps normal priority on the shared rung, and one created on the
-shared rung stays idle-priority on a partitioned rung (harmless: those cores are the lane's own).
-On 2 cores the first cannot happen (a partitioned lane has one core and no workers); on more cores
-the shared rung's prefill can compete with decode through such workers — setting worker policies
-is a known gap.
+On the shared (top) rung the prefill lane borrows the decode lane's cores while decode is idle and
+returns them at its next layer boundary when a decode step wants them (:mod:`.core_loan`): the prefill
+lane thread's affinity and intra-op thread count follow, between its layers, whether it holds them.
+Decode's cores are those of its partitioned binding (the ladder's first partitioned rung until it has
+one); decode waits for them even on the shared rung, where prefill then keeps its own cores.
+
+With ``lend_decode_cores=False`` the old rule holds instead: the shared rung's prefill lane thread runs
+at ``SCHED_IDLE`` — decode preempts prefill, and prefill soaks up the cycles decode leaves.  But an
+idle-priority thread also waits behind the orchestrator and the clients, and a prefill step split over
+two threads stalls at every op's barrier while decode holds one of its cores, so a chunk begun while
+nothing decoded crawled once decode started beside it.  The lane thread's OpenMP workers take the
+policy only if they are created after the switch, and keep it (a known gap on more than two cores).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
+from agentserve.executor.partition.core_loan import CoreLoan
 from agentserve.executor.partition.ladder import CPU_GRANULARITY, DEFAULT_SHARES, build_ladder
 from agentserve.protocol.lanes import CPU_CORES_BACKEND, Lane, Rung
 
@@ -109,18 +113,28 @@ class CpuCoresBackend(PartitionBackend):
         reason: str = "",
         shares: tuple[float, ...] = DEFAULT_SHARES,
         idle_prefill_when_shared: bool = True,
+        lend_decode_cores: bool = True,
     ) -> None:
         self.cores = tuple(cores if cores is not None else usable_cores())
-        why_not = idle_is_reversible() if idle_prefill_when_shared else "disabled"
-        self.idle_prefill_when_shared = why_not is None
         if not self.cores:
             raise ValueError("no usable CPU cores")
         ladder = build_ladder(len(self.cores), CPU_GRANULARITY, shares)
-        shared = (
-            "on the shared rung the prefill lane runs at SCHED_IDLE so decode comes first"
-            if why_not is None
-            else f"the shared rung's prefill lane keeps normal priority (SCHED_IDLE: {why_not})"
-        )
+        home = next((r for r in ladder if r.partitioned), None)
+        self.loan = CoreLoan() if lend_decode_cores and home is not None else None
+        self._decode_home = self.cores[: home.decode_units] if home is not None else ()
+        self._prefill_steps: list[int] = []  # tokens of the prefill lane's running steps (a preempting one nests)
+        self._prefill_view: tuple[tuple[int, ...], int] | None = None  # its cores and threads inside a step
+        if self.loan is not None:
+            self.idle_prefill_when_shared = False
+            shared = "on the shared rung the prefill lane borrows decode's cores while decode is idle"
+        else:
+            why_not = idle_is_reversible() if idle_prefill_when_shared else "disabled"
+            self.idle_prefill_when_shared = why_not is None
+            shared = (
+                "on the shared rung the prefill lane runs at SCHED_IDLE so decode comes first"
+                if why_not is None
+                else f"the shared rung's prefill lane keeps normal priority (SCHED_IDLE: {why_not})"
+            )
         note = reason or f"lanes are threads pinned to disjoint cores ({len(self.cores)} usable); {shared}"
         super().__init__(ladder, f"cpu ({len(self.cores)} cores)", note)
 
@@ -140,6 +154,8 @@ class CpuCoresBackend(PartitionBackend):
         os.sched_setaffinity(tid, cores)
         torch.set_num_threads(len(cores))
         background = lane == Lane.PREFILL and not rung.partitioned and self.idle_prefill_when_shared
+        if lane == Lane.DECODE and rung.partitioned:
+            self._decode_home = cores
         try:
             with idle_priority(tid) if background else nullcontext(False) as idle:
                 yield LaneBinding(lane, rung, len(cores), threads=len(cores), cores=cores, idle=idle)
@@ -149,8 +165,22 @@ class CpuCoresBackend(PartitionBackend):
 
     @contextmanager
     def step_scope(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
-        """One intra-op thread for a step of at most ``ONE_THREAD_MAX_TOKENS`` tokens, the binding's count otherwise."""
-        want = 1 if num_tokens <= ONE_THREAD_MAX_TOKENS else max(1, binding.threads)
+        """One intra-op thread for a step of at most ``ONE_THREAD_MAX_TOKENS`` tokens, the binding's count otherwise;
+        with the core loan, a decode step first takes its cores back and a shared-rung prefill step borrows them."""
+        if self.loan is not None and binding.lane == Lane.DECODE:
+            with self.loan.decode_step(), self._threads(1 if num_tokens <= ONE_THREAD_MAX_TOKENS else binding.threads):
+                yield
+        elif self.loan is not None and binding.lane == Lane.PREFILL and not binding.rung.partitioned:
+            with self._borrowing(binding, num_tokens):
+                yield
+        else:
+            with self._threads(1 if num_tokens <= ONE_THREAD_MAX_TOKENS else binding.threads):
+                yield
+
+    @staticmethod
+    @contextmanager
+    def _threads(want: int) -> Iterator[None]:
+        want = max(1, want)
         before = torch.get_num_threads()  # the binding's, or a running step's when this one runs inside it
         if want == before:
             yield
@@ -160,6 +190,53 @@ class CpuCoresBackend(PartitionBackend):
             yield
         finally:
             torch.set_num_threads(before)
+
+    @contextmanager
+    def _borrowing(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
+        """A prefill step on the shared rung: on every core while decode lends them, refitted between layers."""
+        loan = self.loan
+        assert loan is not None
+        self._prefill_steps.append(num_tokens)
+        try:
+            self._fit(binding)
+            yield
+        finally:
+            self._prefill_steps.pop()
+            if self._prefill_steps:
+                self._fit(binding)  # a preempting step ran inside a chunk: the chunk's width again
+            else:  # between steps the lane holds nothing: back to the binding's view, the cores returned
+                self._apply(binding.cores, binding.threads)
+                self._prefill_view = None
+                self.loan.give_back()  # type: ignore[union-attr]
+
+    def between_layers(self, binding: LaneBinding) -> None:
+        """The prefill lane between two layers of a shared-rung step: widen or narrow as decode needs its cores."""
+        if self.loan is not None and self._prefill_steps and binding.lane == Lane.PREFILL:
+            self._fit(binding)
+
+    def _fit(self, binding: LaneBinding) -> None:
+        loan = self.loan
+        assert loan is not None
+        own = self._own_cores(binding)
+        wide = not own or (not loan.wanted_back() if loan.lent else loan.try_borrow())
+        cores = binding.cores if wide else own
+        tokens = self._prefill_steps[-1]
+        self._apply(cores, 1 if tokens <= ONE_THREAD_MAX_TOKENS else len(cores))
+        if not wide:
+            loan.give_back()
+
+    def _own_cores(self, binding: LaneBinding) -> tuple[int, ...]:
+        """The prefill lane's cores when it gives decode's back (none: nothing is lent on one core)."""
+        return tuple(c for c in binding.cores if c not in self._decode_home)
+
+    def _apply(self, cores: tuple[int, ...], threads: int) -> None:
+        """Pin the calling (prefill lane) thread to ``cores`` with ``threads`` intra-op threads, if not already."""
+        if self._prefill_view == (cores, threads):
+            return
+        if self._prefill_view is None or self._prefill_view[0] != cores:
+            os.sched_setaffinity(threading.get_native_id(), cores)
+        torch.set_num_threads(threads)
+        self._prefill_view = (cores, threads)
 
     def _release(self) -> None:
         """Nothing to free: bindings restore their thread's mask and thread count on exit."""

@@ -15,6 +15,10 @@ decoding, while waiting for the prefill lane delays one cold prefill by the same
 both let a resume ride at once (the paper's piggybacking).
 The :class:`TpotController` moves ``B_prefill`` and ``R_min``.
 
+On CPU cores (``prefill_borrows_decode_cores``) prefill steps run on the full rung even beside a partitioned
+decode lane: the executor lends them decode's cores while decode idles and takes them back at the next layer
+boundary when a decode step comes (``executor/partition/core_loan.py``).
+
 Decode takes the full (unpartitioned) rung while no cold prefill exists at all, or when the controller
 sets ``R_min`` to it (the 100 % slot).  A prefill step planned while decode holds or is headed for the
 full rung runs on the full rung too, beside decode at low priority (decode first, prefill in what it
@@ -56,6 +60,8 @@ class AgentServe(Policy):
         self.guard_pos = ladder.highest_below(1.0 - config.guard.min_prefill_share)
         self.resumes_ran_last = False  # the prefill lane's last step was resumes only
         self.full_rung_when_idle = allowed_here(config.scheduler.decode_full_rung_when_idle, ladder.unit)
+        # on CPU cores the executor lends a full-rung prefill step decode's cores only while decode idles
+        self.borrows = config.scheduler.prefill_borrows_decode_cores and ladder.unit == "cores"
 
     def control_ladder(self) -> Ladder:
         return self.ladder
@@ -146,7 +152,8 @@ class AgentServe(Policy):
         if decode_rung is None and not q.decoding:
             return full  # nothing to decode: the prefill takes the whole device
         headed = self._wanted_rung(q, starving)  # where decode goes while this prefill step runs
-        return headed if decode_rung is None or headed == full else decode_rung
+        rung = headed if decode_rung is None or headed == full else decode_rung
+        return full if self.borrows and self.ladder.rungs[rung].partitioned else rung
 
     def add_prefills(self, batch: Batch, q: Queues, phase: Phase, budget: int, *, admit_new: bool = True,
                      arrived_by: float = float("inf"), max_seqs: int | None = None) -> int:

@@ -39,6 +39,7 @@ class SchedCfg:
     prefill_lane_resumes: str = "first"
     resume_ride_after_ms: float = 150.0
     preempt_cold_chunks: bool = True
+    prefill_borrows_decode_cores: bool = True
 
 
 @dataclass(frozen=True, slots=True)

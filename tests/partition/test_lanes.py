@@ -155,10 +155,11 @@ def test_one_thread_lane_spawns_no_intra_op_workers(cpu: CpuCoresBackend) -> Non
     assert after == before
 
 
-def test_prefill_lane_runs_at_idle_priority_only_on_the_shared_rung(cpu: CpuCoresBackend) -> None:
+def test_without_the_core_loan_prefill_runs_at_idle_priority_only_on_the_shared_rung() -> None:
     def policy(binding):
         return os.sched_getscheduler(threading.get_native_id()), binding.idle
 
+    cpu = CpuCoresBackend(lend_decode_cores=False)
     top = cpu.ladder[-1].index
     with LaneWorker(cpu, Lane.PREFILL, rung=top) as pre, LaneWorker(cpu, Lane.DECODE, rung=top) as dec:
         shared_prefill, shared_decode = pre.submit(policy).result(10), dec.submit(policy).result(10)
@@ -167,13 +168,25 @@ def test_prefill_lane_runs_at_idle_priority_only_on_the_shared_rung(cpu: CpuCore
     assert shared_decode == (os.SCHED_OTHER, False)
     if own is not None:
         assert own == (os.SCHED_OTHER, False), "the policy is restored when the lane leaves the shared rung"
+    cpu.close()
+
+
+def test_with_the_core_loan_the_shared_rungs_prefill_keeps_normal_priority(cpu: CpuCoresBackend) -> None:
+    """The loan hands decode its cores back between layers; an idle-priority prefill would also wait behind
+    every other thread of the machine on its own core."""
+    if cpu.loan is None:
+        pytest.skip("needs two cores")
+    top = cpu.ladder[-1].index
+    with LaneWorker(cpu, Lane.PREFILL, rung=top) as pre:
+        assert pre.submit(lambda b: (os.sched_getscheduler(0), b.idle)).result(10) == (os.SCHED_OTHER, False)
+    assert "borrows decode's cores" in cpu.reason
 
 
 def test_idle_priority_is_skipped_when_it_cannot_be_undone(monkeypatch: pytest.MonkeyPatch) -> None:
     from agentserve.executor.partition import cpu_cores
 
     monkeypatch.setattr(cpu_cores, "idle_is_reversible", lambda: "PermissionError: [Errno 1] Operation not permitted")
-    backend = CpuCoresBackend()
+    backend = CpuCoresBackend(lend_decode_cores=False)
     assert not backend.idle_prefill_when_shared
     assert "keeps normal priority (SCHED_IDLE: PermissionError" in backend.reason
     top = backend.ladder[-1].index

@@ -289,15 +289,16 @@ def test_with_no_cold_prefill_a_resume_takes_the_idle_prefill_lane(mode):
 
 
 @pytest.mark.parametrize(
-    ("backend", "setting", "full"),
-    [("fake", "auto", True), (CPU_CORES_BACKEND, "auto", False), (CPU_CORES_BACKEND, "always", True),
-     ("fake", "never", False)],
+    ("backend", "setting", "full", "borrows"),
+    [("fake", "auto", True, True), (CPU_CORES_BACKEND, "auto", False, True), (CPU_CORES_BACKEND, "auto", False, False),
+     (CPU_CORES_BACKEND, "always", True, True), ("fake", "never", False, True)],
 )
-def test_decode_takes_the_full_rung_with_no_cold_prefill_on_sms_only_by_default(backend, setting, full):
+def test_decode_takes_the_full_rung_with_no_cold_prefill_on_sms_only_by_default(backend, setting, full, borrows):
     """auto: a GPU's decode takes every SM while no cold prefill exists; CPU decode keeps its core, so a resume
-    runs on a core of its own at normal priority instead of at SCHED_IDLE beside it."""
+    runs at normal priority on a core of its own — on the full rung, borrowing decode's core while decode idles
+    (``prefill_borrows_decode_cores``), or on decode's partitioned rung without the loan."""
     d = Driver(backend=backend)
-    _with_scheduler(d, decode_full_rung_when_idle=setting)
+    _with_scheduler(d, decode_full_rung_when_idle=setting, prefill_borrows_decode_cores=borrows)
     d.sched.policy = make_policy("agentserve", d.sched.config, d.sched.ladder)  # the policy reads it at start
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     decoding = d.sched.submit(d.sched.open_session(), list(range(10, 60)), sp)
@@ -310,6 +311,8 @@ def test_decode_takes_the_full_rung_with_no_cold_prefill_on_sms_only_by_default(
     ladder = d.sched.ladder
     if full:
         assert decode_plan.rung == plan.rung == ladder.full
+    elif borrows and backend == CPU_CORES_BACKEND:
+        assert ladder.rungs[decode_plan.rung].partitioned and plan.rung == ladder.full
     else:
         assert decode_plan.rung == plan.rung != ladder.full and ladder.rungs[plan.rung].partitioned
     d.until_finished(resume)

@@ -1,0 +1,87 @@
+"""The decode lane's cores, lent to the prefill lane while decode has nothing to run (CPU cores backend).
+
+On the shared (top) rung the prefill lane may use every core; while the decode lane holds a partitioned
+rung, the cores of decode's partition are only *lent* to it:
+
+- the prefill lane, at the start of each step and between its layers, runs on every core while decode is
+  idle — no decode step running and none ended within ``widen_after_s`` — and on its own cores otherwise
+  (:meth:`CoreLoan.try_borrow` / :meth:`CoreLoan.give_back`);
+- a decode step, before it runs, asks for its cores back and waits until the prefill lane has returned
+  them — at its next layer boundary or the end of its step — for at most ``return_timeout_s``
+  (:meth:`CoreLoan.decode_step`).
+
+So decode never shares its core with prefill work (it waits at most one prefill layer, once per burst of
+decode steps), while a cold chunk or a resume runs on every core for as long as decode leaves them, where a
+fixed split would leave decode's core idle between its bursts.  Invariant: ``lent`` is true only while the
+prefill lane runs on decode's cores, and it is set under the lock together with the check that decode is
+idle, so a decode step that starts after the check waits for the next layer boundary instead of racing it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+WIDEN_AFTER_IDLE_S = 0.01  # decode steps of a burst follow each other within ~1 ms; a pause this long ends it
+RETURN_TIMEOUT_S = 0.1  # a prefill layer on two cores takes ~5-25 ms; past this decode runs anyway
+
+
+class CoreLoan:
+    """Who holds the decode lane's cores; shared by the two lane threads of one backend."""
+
+    def __init__(
+        self,
+        widen_after_s: float = WIDEN_AFTER_IDLE_S,
+        return_timeout_s: float = RETURN_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.widen_after_s = widen_after_s
+        self.return_timeout_s = return_timeout_s
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._decoding = 0  # decode steps waiting for their cores or running (0 or 1: one decode lane)
+        self._decode_ended = float("-inf")
+        self._lent = False
+        self.borrows = 0  # times the prefill lane widened onto decode's cores
+        self.late_returns = 0  # decode steps that gave up waiting after return_timeout_s
+
+    @property
+    def lent(self) -> bool:
+        return self._lent
+
+    def try_borrow(self) -> bool:
+        """Prefill lane: take decode's cores if decode is idle; whether the prefill lane holds them now."""
+        with self._cond:
+            if not self._lent and self._decoding == 0 and self._clock() - self._decode_ended >= self.widen_after_s:
+                self._lent = True
+                self.borrows += 1
+            return self._lent
+
+    def wanted_back(self) -> bool:
+        """Prefill lane, holding the cores: decode has run or is waiting to (give them back now)."""
+        with self._cond:
+            return self._decoding > 0 or self._clock() - self._decode_ended < self.widen_after_s
+
+    def give_back(self) -> None:
+        """Prefill lane: it no longer runs on decode's cores (call after narrowing)."""
+        with self._cond:
+            if self._lent:
+                self._lent = False
+                self._cond.notify_all()
+
+    @contextmanager
+    def decode_step(self) -> Iterator[bool]:
+        """Decode lane, around one step: wait for the cores to come back; yield whether they did in time."""
+        with self._cond:
+            self._decoding += 1
+            returned = self._cond.wait_for(lambda: not self._lent, timeout=self.return_timeout_s)
+            if not returned:
+                self.late_returns += 1
+        try:
+            yield returned
+        finally:
+            with self._cond:
+                self._decoding -= 1
+                self._decode_ended = self._clock()

@@ -1,0 +1,206 @@
+"""The core loan: a shared-rung prefill step runs on decode's cores only while decode is idle."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from agentserve.executor.lanes import LaneWorker
+from agentserve.executor.layer_hook import between_layers
+from agentserve.executor.partition.core_loan import CoreLoan
+from agentserve.executor.partition.cpu_cores import CpuCoresBackend
+from agentserve.protocol.lanes import Lane
+
+
+def test_prefill_borrows_only_once_decode_has_been_idle_long_enough() -> None:
+    now = [100.0]
+    loan = CoreLoan(widen_after_s=0.01, clock=lambda: now[0])
+    assert loan.try_borrow() and loan.lent, "decode never ran: the cores are free"
+    loan.give_back()
+    with loan.decode_step() as returned:
+        assert returned
+        assert not loan.try_borrow(), "never while a decode step runs"
+    now[0] += 0.005
+    assert not loan.try_borrow() and not loan.lent, "a pause shorter than widen_after_s is within a burst"
+    now[0] += 0.006
+    assert loan.try_borrow() and loan.borrows == 2
+
+
+def test_a_decode_step_waits_until_the_cores_come_back() -> None:
+    loan = CoreLoan(widen_after_s=0.0, return_timeout_s=10.0)
+    assert loan.try_borrow()
+    entered = threading.Event()
+    out: list[bool] = []
+
+    def decode() -> None:
+        with loan.decode_step() as returned:
+            out.append(returned)
+            entered.set()
+
+    t = threading.Thread(target=decode)
+    t.start()
+    assert not entered.wait(0.1), "decode ran on lent cores"
+    assert loan.wanted_back()
+    loan.give_back()
+    assert entered.wait(10)
+    t.join(10)
+    assert out == [True] and loan.late_returns == 0
+
+
+def test_a_decode_step_runs_anyway_once_the_return_is_late() -> None:
+    loan = CoreLoan(widen_after_s=0.0, return_timeout_s=0.05)
+    assert loan.try_borrow()
+    t0 = time.monotonic()
+    with loan.decode_step() as returned:
+        assert not returned and time.monotonic() - t0 >= 0.05
+    assert loan.late_returns == 1
+
+
+def test_decode_never_runs_while_prefill_holds_its_cores_under_stress() -> None:
+    """Two threads hammer the protocol: the prefill side widens and narrows as a lane does between layers,
+    the decode side runs steps; a decode step that got its cores back never overlaps a widened prefill."""
+    loan = CoreLoan(widen_after_s=0.0, return_timeout_s=10.0)
+    state = {"wide": False, "decoding": False}
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def prefill() -> None:
+        while not stop.is_set():
+            if loan.lent and loan.wanted_back():
+                state["wide"] = False  # narrow first, then say so
+                loan.give_back()
+            elif not loan.lent and loan.try_borrow():
+                if state["decoding"]:
+                    errors.append("borrowed while a decode step ran")
+                state["wide"] = True
+        state["wide"] = False
+        loan.give_back()
+
+    def decode() -> None:
+        for _ in range(3000):
+            with loan.decode_step() as returned:
+                state["decoding"] = True
+                if returned and state["wide"]:
+                    errors.append("decode ran beside a widened prefill")
+                state["decoding"] = False
+
+    threads = [threading.Thread(target=prefill), threading.Thread(target=decode)]
+    for t in threads:
+        t.start()
+    threads[1].join(60)
+    stop.set()
+    threads[0].join(10)
+    assert not errors and loan.late_returns == 0
+    assert loan.borrows > 0, "the prefill side never got the cores: the test exercised nothing"
+
+
+def _view() -> tuple[tuple[int, ...], int]:
+    return tuple(sorted(os.sched_getaffinity(threading.get_native_id()))), torch.get_num_threads()
+
+
+@pytest.fixture
+def cpu() -> CpuCoresBackend:
+    """A two-core backend whose loan widens as soon as decode has ended and waits long for a return."""
+    backend = CpuCoresBackend()
+    if backend.loan is None or len(backend.cores) < 2:
+        backend.close()
+        pytest.skip("needs two cores")
+    backend.loan = CoreLoan(widen_after_s=0.0, return_timeout_s=10.0)
+    yield backend
+    backend.close()
+
+
+def test_a_shared_rung_prefill_step_gives_decode_its_core_at_the_next_layer_and_takes_it_back_after(
+    cpu: CpuCoresBackend,
+) -> None:
+    top = cpu.ladder[-1].index
+    decode_cores = cpu.cores_for(Lane.DECODE, cpu.ladder[0])
+    own = tuple(c for c in cpu.cores if c not in decode_cores)
+    layer0, decode_sent, decode_done = threading.Event(), threading.Event(), threading.Event()
+    log: list[tuple[str, float, tuple[tuple[int, ...], int]]] = []
+
+    def chunk(binding):
+        with cpu.step_scope(binding, 256):
+            log.append(("layer0", time.monotonic(), _view()))
+            layer0.set()
+            decode_sent.wait(10)
+            time.sleep(0.1)  # decode is waiting for its core by now
+            between_layers()
+            log.append(("layer1", time.monotonic(), _view()))
+            decode_done.wait(10)
+            between_layers()
+            log.append(("layer2", time.monotonic(), _view()))
+        return _view()
+
+    def decode_step(binding):
+        with cpu.step_scope(binding, 1):
+            log.append(("decode", time.monotonic(), _view()))
+        decode_done.set()
+
+    with LaneWorker(cpu, Lane.PREFILL, rung=top) as pre, LaneWorker(cpu, Lane.DECODE, rung=0) as dec:
+        # the decode lane binds its partition first, as the executor's lanes do before serving
+        dec.submit(lambda b: None).result(10)
+        running = pre.submit(chunk)
+        assert layer0.wait(10)
+        stepped = dec.submit(decode_step)
+        decode_sent.set()
+        stepped.result(10)
+        after = running.result(10)
+    names = [name for name, _, _ in log]
+    assert names == ["layer0", "layer1", "decode", "layer2"], "decode ran before the prefill gave its core back"
+    views = {name: view for name, _, view in log}
+    assert views["layer0"] == (cpu.cores, len(cpu.cores)), "an idle decode lends its cores"
+    assert views["layer1"] == (own, len(own)), "narrowed to its own cores at the next layer"
+    assert views["decode"][0] == decode_cores
+    assert views["layer2"] == (cpu.cores, len(cpu.cores)), "widened again once decode went idle"
+    assert after == (cpu.cores, len(cpu.cores)), "between steps the lane is back to its binding"
+    assert not cpu.loan.lent and cpu.loan.borrows == 2
+
+
+def test_a_preempting_step_inside_a_borrowing_chunk_gives_the_core_back_between_its_own_layers(
+    cpu: CpuCoresBackend,
+) -> None:
+    top = cpu.ladder[-1].index
+    own = tuple(c for c in cpu.cores if c not in cpu.cores_for(Lane.DECODE, cpu.ladder[0]))
+    inner_started, decode_sent, chunk_started = threading.Event(), threading.Event(), threading.Event()
+    log: list[tuple[str, tuple[tuple[int, ...], int]]] = []
+
+    def chunk(binding):
+        with cpu.step_scope(binding, 256):
+            chunk_started.set()
+            for _ in range(200):  # until the resume is queued, as a chunk's layers would
+                between_layers()
+                if log:
+                    break
+                time.sleep(0.005)
+        return "chunk"
+
+    def resume(binding):
+        with cpu.step_scope(binding, 64):
+            log.append(("resume0", _view()))
+            inner_started.set()
+            decode_sent.wait(10)
+            time.sleep(0.1)
+            between_layers()
+            log.append(("resume1", _view()))
+        return "resume"
+
+    def decode_step(binding):
+        with cpu.step_scope(binding, 1):
+            log.append(("decode", _view()))
+
+    with LaneWorker(cpu, Lane.PREFILL, rung=top) as pre, LaneWorker(cpu, Lane.DECODE, rung=0) as dec:
+        dec.submit(lambda b: None).result(10)
+        outer = pre.submit(chunk)
+        assert chunk_started.wait(10)
+        inner = pre.submit(resume, preempt=True)
+        assert inner_started.wait(10)
+        stepped = dec.submit(decode_step)
+        decode_sent.set()
+        assert [outer.result(10), inner.result(10), stepped.result(10)] == ["chunk", "resume", None]
+    assert [name for name, _ in log] == ["resume0", "resume1", "decode"]
+    assert log[0][1] == (cpu.cores, len(cpu.cores)) and log[1][1] == (own, len(own))
