@@ -10,9 +10,10 @@ rung, the cores of decode's partition are only *lent* to it:
   them — at its next layer boundary or the end of its step — for at most ``return_timeout_s``
   (:meth:`CoreLoan.decode_step`).
 
-So decode never shares its core with prefill work (it waits at most one prefill layer, once per burst of
-decode steps), while a cold chunk or a resume runs on every core for as long as decode leaves them, where a
-fixed split would leave decode's core idle between its bursts.  Invariant: ``lent`` is true only while the
+So on two cores decode never shares its core with prefill work (on more, see the OpenMP-worker gap in
+:mod:`.cpu_cores`); it waits at most one prefill layer, once per burst of decode steps, while a cold chunk or
+a resume runs on every core for as long as decode leaves them, where a fixed split would leave decode's core
+idle between its bursts.  Invariant: ``lent`` is true only while the
 prefill lane runs on decode's cores, and it is set under the lock together with the check that decode is
 idle, so a decode step that starts after the check waits for the next layer boundary instead of racing it.
 """
@@ -63,6 +64,11 @@ class CoreLoan:
         """Prefill lane, holding the cores: decode has run or is waiting to (give them back now)."""
         with self._cond:
             return self._decoding > 0 or self._clock() - self._decode_ended < self.widen_after_s
+
+    def reclaim(self) -> None:
+        """Decode lane, rebinding onto cores a running prefill step holds: count them as lent until its refit."""
+        with self._cond:
+            self._lent = True
 
     def give_back(self) -> None:
         """Prefill lane: it no longer runs on decode's cores (call after narrowing)."""

@@ -22,7 +22,12 @@ On the shared (top) rung the prefill lane borrows the decode lane's cores while 
 returns them at its next layer boundary when a decode step wants them (:mod:`.core_loan`): the prefill
 lane thread's affinity and intra-op thread count follow, between its layers, whether it holds them.
 Decode's cores are those of its partitioned binding (the ladder's first partitioned rung until it has
-one); decode waits for them even on the shared rung, where prefill then keeps its own cores.
+one); when decode moves to a rung whose cores a running prefill step still holds, its next step waits for
+that step's next refit too.  The scheduler keeps decode off the shared rung while it lends (with decode
+there, both lanes would spread over every core at normal priority).  Known gap on more than two cores: the
+prefill lane's OpenMP workers keep the affinity mask of the thread that created them, so after a wide step
+a narrowed prefill running several threads can still have workers runnable on decode's cores (on two cores
+a narrowed prefill runs one thread and no worker).
 
 With ``lend_decode_cores=False`` the old rule holds instead: the shared rung's prefill lane thread runs
 at ``SCHED_IDLE`` — decode preempts prefill, and prefill soaks up the cycles decode leaves.  But an
@@ -156,6 +161,9 @@ class CpuCoresBackend(PartitionBackend):
         background = lane == Lane.PREFILL and not rung.partitioned and self.idle_prefill_when_shared
         if lane == Lane.DECODE and rung.partitioned:
             self._decode_home = cores
+            view = self._prefill_view  # set by the prefill lane thread; one read of a tuple
+            if self.loan is not None and view is not None and set(view[0]) & set(cores):
+                self.loan.reclaim()  # decode moved onto cores a running prefill step holds: wait for its refit
         try:
             with idle_priority(tid) if background else nullcontext(False) as idle:
                 yield LaneBinding(lane, rung, len(cores), threads=len(cores), cores=cores, idle=idle)

@@ -17,7 +17,8 @@ The :class:`TpotController` moves ``B_prefill`` and ``R_min``.
 
 On CPU cores (``prefill_borrows_decode_cores``) prefill steps run on the full rung even beside a partitioned
 decode lane: the executor lends them decode's cores while decode idles and takes them back at the next layer
-boundary when a decode step comes (``executor/partition/core_loan.py``).
+boundary when a decode step comes (``executor/partition/core_loan.py``).  Decode then keeps to its partition
+(resumes alone included); where a setting lets decode take the full rung (``always``), there is no borrowing.
 
 Decode takes the full (unpartitioned) rung while no cold prefill exists at all, or when the controller
 sets ``R_min`` to it (the 100 % slot).  A prefill step planned while decode holds or is headed for the
@@ -60,8 +61,10 @@ class AgentServe(Policy):
         self.guard_pos = ladder.highest_below(1.0 - config.guard.min_prefill_share)
         self.resumes_ran_last = False  # the prefill lane's last step was resumes only
         self.full_rung_when_idle = allowed_here(config.scheduler.decode_full_rung_when_idle, ladder.unit)
-        # on CPU cores the executor lends a full-rung prefill step decode's cores only while decode idles
-        self.borrows = config.scheduler.prefill_borrows_decode_cores and ladder.unit == "cores"
+        # on CPU cores the executor lends a full-rung prefill step decode's cores only while decode idles; it
+        # assumes decode keeps to its partition (a full-rung decode step would spread onto the prefill's core)
+        self.borrows = (config.scheduler.prefill_borrows_decode_cores and ladder.unit == "cores"
+                        and not self.full_rung_when_idle and ladder.full not in ladder.control)
 
     def control_ladder(self) -> Ladder:
         return self.ladder
@@ -100,9 +103,12 @@ class AgentServe(Policy):
         if lane is Lane.DECODE:
             rung = self.decode_rung(q, starving, other_rung)
             self.decode_all(batch, q)
-            self.add_prefills(batch, q, Phase.RESUME, self.ctl.b_prefill, admit_new=not starving,
-                              arrived_by=self.ride_from(now, batch.num_decode > 0))
-            if batch.num_decode == 0 and other_rung is None:
+            alone_on_idle_device = batch.num_decode == 0 and other_rung is None
+            if not (alone_on_idle_device and self.borrows and self.config.scheduler.prefill_lane_resumes == "first"):
+                # (borrowing, the idle prefill lane takes them, on every core)
+                self.add_prefills(batch, q, Phase.RESUME, self.ctl.b_prefill, admit_new=not starving,
+                                  arrived_by=self.ride_from(now, batch.num_decode > 0))
+            if alone_on_idle_device and not self.borrows:
                 rung = self.ladder.full  # resumes alone while the prefill lane idles: every unit is free
             return batch.num_decode + self.ctl.b_prefill, rung
         return self.fill_prefill(batch, q, starving, other_rung)

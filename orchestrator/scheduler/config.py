@@ -21,9 +21,9 @@ BY_DEVICE = ("auto", "always", "never")  # switches whose right value depends on
 def allowed_here(setting: str, unit: str) -> bool:
     """A :data:`BY_DEVICE` setting on a device whose rungs count ``unit``: ``auto`` allows on SMs (a GPU) only.
 
-    Used for the moves measured to cost on CPU cores: decode on the full rung beside prefill (the prefill
-    lane then runs at ``SCHED_IDLE``) and shrinking the resume budget (a prefill token costs the same in
-    any decode step of one core); docs/scheduler.md has the figures."""
+    Used for the moves measured to cost on CPU cores: decode on the full rung beside prefill (measured with
+    the prefill lane at ``SCHED_IDLE``; it also turns the core loan off) and shrinking the resume budget (a
+    prefill token costs the same in any decode step of one core); docs/scheduler.md has the figures."""
     return setting == "always" or (setting == "auto" and unit == "SMs")
 
 

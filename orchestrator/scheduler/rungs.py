@@ -5,15 +5,15 @@ largest unpartitioned one: the whole device).  The TPOT controller moves the dec
 ``R_min`` along the *control* rungs: partitioned rungs that leave the prefill lane some units,
 within the configured share bounds, ordered by decode share, and — when the upper bound is 1.0 —
 the full rung on top: the 100 % slot, where decode has first claim on the whole device and the
-prefill lane runs beside it at low priority (a low-priority stream; ``SCHED_IDLE`` threads on a
-CPU).  A ladder without split rungs (no partitioning backend) gives a single control rung, the
-full one: the rung action is then a no-op.
+prefill lane runs beside it at low priority (a low-priority stream; on a CPU, where the prefill lane
+borrows decode's idle cores instead, the policy keeps decode off the full rung).  A ladder without split
+rungs (no partitioning backend) gives a single control rung, the full one: the rung action is then a no-op.
 
 Whether decode may take the full rung beside a running prefill is a setting (``always | never | auto``,
 read by :func:`~agentserve.orchestrator.scheduler.config.allowed_here`): ``auto`` allows it on SMs only.
-On CPU cores the prefill lane's threads beside decode run at ``SCHED_IDLE``, behind every runnable thread
-of the machine (the orchestrator, the clients), so a resume or a cold chunk there crawls while decode,
-whose short steps run on one thread, gains nothing (docs/scheduler.md).
+On CPU cores decode, whose short steps run on one thread, gains nothing there, while a prefill beside it
+either competed at idle priority, behind every runnable thread of the machine, or now spreads onto decode's
+threads (docs/scheduler.md).
 """
 
 from __future__ import annotations

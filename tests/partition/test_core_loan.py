@@ -74,16 +74,18 @@ def test_decode_never_runs_while_prefill_holds_its_cores_under_stress() -> None:
                 state["wide"] = False  # narrow first, then say so
                 loan.give_back()
             elif not loan.lent and loan.try_borrow():
+                state["wide"] = True
+                time.sleep(0)  # let the decode thread run here, as it would on a real core
                 if state["decoding"]:
                     errors.append("borrowed while a decode step ran")
-                state["wide"] = True
         state["wide"] = False
         loan.give_back()
 
     def decode() -> None:
-        for _ in range(3000):
+        for _ in range(400):
             with loan.decode_step() as returned:
                 state["decoding"] = True
+                time.sleep(0)  # a step takes time: the prefill thread gets the interpreter meanwhile
                 if returned and state["wide"]:
                     errors.append("decode ran beside a widened prefill")
                 state["decoding"] = False
@@ -204,3 +206,57 @@ def test_a_preempting_step_inside_a_borrowing_chunk_gives_the_core_back_between_
         assert [outer.result(10), inner.result(10), stepped.result(10)] == ["chunk", "resume", None]
     assert [name for name, _ in log] == ["resume0", "resume1", "decode"]
     assert log[0][1] == (cpu.cores, len(cpu.cores)) and log[1][1] == (own, len(own))
+
+
+def test_decode_moving_onto_cores_a_running_prefill_holds_waits_for_its_refit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four (mocked) cores: decode moves up a rung onto a core the running prefill step narrowed to; its next step
+    waits until the prefill step's next layer boundary instead of sharing that core."""
+    from contextlib import ExitStack
+
+    pinned: dict[int, tuple[int, ...]] = {}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda tid: {0, 1, 2, 3})
+    monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cores: pinned.__setitem__(tid, tuple(sorted(cores))))
+    cpu = CpuCoresBackend(cores=[0, 1, 2, 3])
+    cpu.loan = CoreLoan(widen_after_s=10.0, return_timeout_s=10.0)  # decode stays "recent": the prefill stays narrow
+    small, bigger = [r for r in cpu.ladder if r.partitioned][:2]
+    assert small.decode_units < bigger.decode_units
+    entered = threading.Event()
+
+    def decode_on(rung, then: threading.Event | None = None) -> None:
+        with ExitStack() as stack:
+            binding = stack.enter_context(cpu._bind(Lane.DECODE, rung))
+            with cpu.step_scope(binding, 1):
+                if then is not None:
+                    then.set()
+
+    with ExitStack() as stack:
+        prefill = stack.enter_context(cpu._bind(Lane.PREFILL, cpu.ladder[-1]))
+        decode_on(small)  # decode's home: the small rung's cores
+        with cpu.step_scope(prefill, 256):
+            first_view = cpu._prefill_view
+            assert first_view is not None and set(first_view[0]) & set(cpu.cores[: bigger.decode_units])
+            t = threading.Thread(target=decode_on, args=(bigger, entered))
+            t.start()
+            assert not entered.wait(0.2), "decode ran on a core the prefill step still held"
+            cpu.between_layers(prefill)
+            assert entered.wait(10)
+            t.join(10)
+            narrowed = cpu._prefill_view
+    assert first_view is not None and narrowed is not None
+    assert not set(narrowed[0]) & set(cpu.cores[: bigger.decode_units]), "the refit leaves decode's new cores"
+    assert cpu.loan.late_returns == 0
+
+
+def test_a_prefill_step_that_fails_returns_the_cores_and_the_lane_its_binding(cpu: CpuCoresBackend) -> None:
+    top = cpu.ladder[-1].index
+
+    def failing(binding):
+        with cpu.step_scope(binding, 256):
+            assert cpu.loan.lent, "decode idle: the step borrowed its cores"
+            raise RuntimeError("the step failed mid-way")
+
+    with LaneWorker(cpu, Lane.PREFILL, rung=top) as pre:
+        with pytest.raises(RuntimeError, match="mid-way"):
+            pre.submit(failing).result(10)
+        assert pre.submit(lambda b: _view()).result(10) == (cpu.cores, len(cpu.cores))
+    assert not cpu.loan.lent and cpu._prefill_view is None

@@ -161,14 +161,16 @@ def test_without_the_core_loan_prefill_runs_at_idle_priority_only_on_the_shared_
 
     cpu = CpuCoresBackend(lend_decode_cores=False)
     top = cpu.ladder[-1].index
-    with LaneWorker(cpu, Lane.PREFILL, rung=top) as pre, LaneWorker(cpu, Lane.DECODE, rung=top) as dec:
-        shared_prefill, shared_decode = pre.submit(policy).result(10), dec.submit(policy).result(10)
-        own = pre.submit(policy, rung=0).result(10) if cpu.ladder[0].partitioned else None
+    try:
+        with LaneWorker(cpu, Lane.PREFILL, rung=top) as pre, LaneWorker(cpu, Lane.DECODE, rung=top) as dec:
+            shared_prefill, shared_decode = pre.submit(policy).result(10), dec.submit(policy).result(10)
+            own = pre.submit(policy, rung=0).result(10) if cpu.ladder[0].partitioned else None
+    finally:
+        cpu.close()
     assert shared_prefill == (os.SCHED_IDLE, True)
     assert shared_decode == (os.SCHED_OTHER, False)
     if own is not None:
         assert own == (os.SCHED_OTHER, False), "the policy is restored when the lane leaves the shared rung"
-    cpu.close()
 
 
 def test_with_the_core_loan_the_shared_rungs_prefill_keeps_normal_priority(cpu: CpuCoresBackend) -> None:

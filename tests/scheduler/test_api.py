@@ -320,14 +320,19 @@ def test_decode_takes_the_full_rung_with_no_cold_prefill_on_sms_only_by_default(
     d.sched.check()
 
 
-def test_a_resume_alone_on_an_idle_device_takes_every_unit():
-    """Nothing decoding, the prefill lane idle: a resume rides in the decode lane at once, on the full rung (on a
-    CPU both cores, where decode itself keeps its own core); the decode steps after it go back to it."""
+@pytest.mark.parametrize("borrows", [True, False])
+def test_a_resume_alone_on_an_idle_device_takes_every_unit(borrows):
+    """Nothing decoding, the prefill lane idle: a resume takes the full rung (on a CPU both cores, where decode
+    itself keeps its own core) — on the prefill lane, which borrows decode's idle core, or without the loan
+    riding in the decode lane at once; the decode steps after it go back to decode's own rung."""
     d = Driver(backend=CPU_CORES_BACKEND)
+    _with_scheduler(d, prefill_borrows_decode_cores=borrows)
+    d.sched.policy = make_policy("agentserve", d.sched.config, d.sched.ladder)  # the policy reads it at start
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     seq = d.sched.submit(d.sched.open_session(), list(range(300, 360)), sp)
     (plan,) = d.pump()
-    assert plan.lane is Lane.DECODE and plan.rung == d.sched.ladder.full and [s.seq_id for s in plan.seqs] == [seq]
+    lane = Lane.PREFILL if borrows else Lane.DECODE
+    assert plan.lane is lane and plan.rung == d.sched.ladder.full and [s.seq_id for s in plan.seqs] == [seq]
     d.land()
     (after,) = d.pump()
     assert after.lane is Lane.DECODE and after.rung != d.sched.ladder.full
