@@ -247,4 +247,8 @@ class CpuCoresBackend(PartitionBackend):
         self._prefill_view = (cores, threads)
 
     def _release(self) -> None:
-        """Nothing to free: bindings restore their thread's mask and thread count on exit."""
+        """Nothing to free (bindings restore their thread's mask and threads on exit); logs the loan's tally."""
+        if self.loan is not None:
+            log.info("core loan: the prefill lane borrowed decode's cores %d times; %d decode steps ran before they "
+                     "came back (after %.0f ms)", self.loan.borrows, self.loan.late_returns,
+                     1e3 * self.loan.return_timeout_s)

@@ -260,3 +260,11 @@ def test_a_prefill_step_that_fails_returns_the_cores_and_the_lane_its_binding(cp
             pre.submit(failing).result(10)
         assert pre.submit(lambda b: _view()).result(10) == (cpu.cores, len(cpu.cores))
     assert not cpu.loan.lent and cpu._prefill_view is None
+
+
+def test_closing_the_backend_logs_the_loans_tally(cpu: CpuCoresBackend, caplog: pytest.LogCaptureFixture) -> None:
+    assert cpu.loan.try_borrow()
+    cpu.loan.give_back()
+    with caplog.at_level("INFO", logger="agentserve.executor.partition.cpu_cores"):
+        cpu.close()
+    assert "borrowed decode's cores 1 times; 0 decode steps ran before they came back" in caplog.text
