@@ -57,6 +57,11 @@ log = logging.getLogger(__name__)
 ONE_THREAD_MAX_TOKENS = 4
 
 
+def step_threads(num_tokens: int, available: int) -> int:
+    """Intra-op threads for a step: one for at most ``ONE_THREAD_MAX_TOKENS`` tokens, else ``available``."""
+    return 1 if num_tokens <= ONE_THREAD_MAX_TOKENS else max(1, available)
+
+
 def usable_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
@@ -175,20 +180,17 @@ class CpuCoresBackend(PartitionBackend):
     def step_scope(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
         """One intra-op thread for a step of at most ``ONE_THREAD_MAX_TOKENS`` tokens, the binding's count otherwise;
         with the core loan, a decode step first takes its cores back and a shared-rung prefill step borrows them."""
-        if self.loan is not None and binding.lane == Lane.DECODE:
-            with self.loan.decode_step(), self._threads(1 if num_tokens <= ONE_THREAD_MAX_TOKENS else binding.threads):
-                yield
-        elif self.loan is not None and binding.lane == Lane.PREFILL and not binding.rung.partitioned:
+        if self.loan is not None and binding.lane == Lane.PREFILL and not binding.rung.partitioned:
             with self._borrowing(binding, num_tokens):
                 yield
-        else:
-            with self._threads(1 if num_tokens <= ONE_THREAD_MAX_TOKENS else binding.threads):
-                yield
+            return
+        waiting = self.loan.decode_step() if self.loan is not None and binding.lane == Lane.DECODE else nullcontext()
+        with waiting, self._threads(step_threads(num_tokens, binding.threads)):
+            yield
 
     @staticmethod
     @contextmanager
     def _threads(want: int) -> Iterator[None]:
-        want = max(1, want)
         before = torch.get_num_threads()  # the binding's, or a running step's when this one runs inside it
         if want == before:
             yield
@@ -215,7 +217,7 @@ class CpuCoresBackend(PartitionBackend):
             else:  # between steps the lane holds nothing: back to the binding's view, the cores returned
                 self._apply(binding.cores, binding.threads)
                 self._prefill_view = None
-                self.loan.give_back()  # type: ignore[union-attr]
+                loan.give_back()
 
     def between_layers(self, binding: LaneBinding) -> None:
         """The prefill lane between two layers of a shared-rung step: widen or narrow as decode needs its cores."""
@@ -228,8 +230,7 @@ class CpuCoresBackend(PartitionBackend):
         own = self._own_cores(binding)
         wide = not own or (not loan.wanted_back() if loan.lent else loan.try_borrow())
         cores = binding.cores if wide else own
-        tokens = self._prefill_steps[-1]
-        self._apply(cores, 1 if tokens <= ONE_THREAD_MAX_TOKENS else len(cores))
+        self._apply(cores, step_threads(self._prefill_steps[-1], len(cores)))
         if not wide:
             loan.give_back()
 
