@@ -47,6 +47,8 @@ class CoreLoan:
         self._lent = False
         self.borrows = 0  # times the prefill lane widened onto decode's cores
         self.late_returns = 0  # decode steps that gave up waiting after return_timeout_s
+        self.waits = 0  # decode steps that found their cores lent and waited for them
+        self.wait_s = 0.0  # the time those steps waited, in all
 
     @property
     def lent(self) -> bool:
@@ -82,9 +84,14 @@ class CoreLoan:
         """Decode lane, around one step: wait for the cores to come back; yield whether they did in time."""
         with self._cond:
             self._decoding += 1
-            returned = self._cond.wait_for(lambda: not self._lent, timeout=self.return_timeout_s)
-            if not returned:
-                self.late_returns += 1
+            returned = True
+            if self._lent:
+                asked = self._clock()
+                returned = self._cond.wait_for(lambda: not self._lent, timeout=self.return_timeout_s)
+                self.waits += 1
+                self.wait_s += self._clock() - asked
+                if not returned:
+                    self.late_returns += 1
         try:
             yield returned
         finally:

@@ -250,6 +250,8 @@ class CpuCoresBackend(PartitionBackend):
     def _release(self) -> None:
         """Nothing to free (bindings restore their thread's mask and threads on exit); logs the loan's tally."""
         if self.loan is not None:
-            log.info("core loan: the prefill lane borrowed decode's cores %d times; %d decode steps ran before they "
-                     "came back (after %.0f ms)", self.loan.borrows, self.loan.late_returns,
-                     1e3 * self.loan.return_timeout_s)
+            loan = self.loan
+            mean_ms = 1e3 * loan.wait_s / loan.waits if loan.waits else 0.0
+            log.info("core loan: the prefill lane borrowed decode's cores %d times; %d decode steps waited for them "
+                     "(%.1f ms on average), %d ran before they came back (after %.0f ms)", loan.borrows, loan.waits,
+                     mean_ms, loan.late_returns, 1e3 * loan.return_timeout_s)
