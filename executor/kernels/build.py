@@ -1,11 +1,11 @@
 """The compiled CPU library: ``attention/paged_decode.c`` (paged decode attention), ``fused/decode_step.c``
 (the fused decode step, which calls the first), ``attention/paged_prefill.c`` (prefill attention on bf16
-dot-product units, where the CPU has them) and ``attention/paged_prefill_fp32.c`` (prefill attention in fp32 on
-AVX2), built once per machine with the system C compiler into one shared
-object (``paged_decode.so``), then loaded through ctypes by their Python wrappers
-(:class:`~agentserve.executor.attention.cpu_kernel.PagedDecodeKernel`,
+dot-product units, where the CPU has them), ``attention/paged_prefill_fp32.c`` (prefill attention in fp32 on
+AVX2) and ``partition/omp_team.c`` (re-pinning a lane thread's OpenMP workers), built once per machine with the
+system C compiler into one shared object (``paged_decode.so``), then loaded through ctypes by their Python
+wrappers (:class:`~agentserve.executor.attention.cpu_kernel.PagedDecodeKernel`,
 :class:`~agentserve.executor.fused.step.FusedDecodeStep`,
-:class:`~agentserve.executor.attention.cpu_prefill.PagedPrefillKernel`).
+:class:`~agentserve.executor.attention.cpu_prefill.PagedPrefillKernel`, :mod:`~agentserve.executor.partition.omp_team`).
 
 The sources are plain C (no PyTorch headers), so they build in about a second.  The shared object is cached
 under ``<cache>/<hash>/``: the hash covers the sources, the compiler's version, the flags, the CPU's feature
@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 _EXECUTOR = Path(__file__).parents[1]
 SOURCES = (_EXECUTOR / "attention" / "paged_decode.c", _EXECUTOR / "fused" / "decode_step.c",
-           _EXECUTOR / "attention" / "paged_prefill.c", _EXECUTOR / "attention" / "paged_prefill_fp32.c")
+           _EXECUTOR / "attention" / "paged_prefill.c", _EXECUTOR / "attention" / "paged_prefill_fp32.c",
+           _EXECUTOR / "partition" / "omp_team.c")
 HEADERS = (_EXECUTOR / "attention" / "paged_prefill.h", _EXECUTOR / "attention" / "simd_math.h")  # included: in the key
 LIBRARY = "paged_decode.so"  # the file name inside its cache folder
 # -ffast-math (vectorised expf, reassociated sums) only when compiling: on the link line gcc would add
@@ -103,10 +104,11 @@ def _build(cc: str, flags: tuple[str, ...], out: Path) -> None:
 def _open(path: Path) -> ctypes.CDLL:
     """Load the library with its OpenMP runtime's idle threads sleeping, not spinning.
 
-    The libgomp it links is usually a second OpenMP runtime beside the one PyTorch's wheel bundles; with
-    the default policy its workers would spin between layers on cores the prefill lane runs on.  libgomp
-    reads the policy when it is first loaded, so it is set for that moment only (an explicit
-    ``OMP_WAIT_POLICY`` wins)."""
+    With PyTorch's Linux wheels the ``libgomp.so.1`` it links resolves to the one PyTorch already loaded (one
+    runtime, whose policy PyTorch's load set; :mod:`~agentserve.executor.partition.omp_team` relies on that
+    and checks it).  Where it is a second runtime, with the default policy its workers would spin between
+    layers on cores the prefill lane runs on.  libgomp reads the policy when it is first loaded, so it is set
+    for that moment only (an explicit ``OMP_WAIT_POLICY`` wins)."""
     before = os.environ.get("OMP_WAIT_POLICY")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:

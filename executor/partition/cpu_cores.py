@@ -9,9 +9,10 @@ thread's OpenMP ``nthreads`` ICV (and MKL's thread-local count), so two lane thr
 different counts at once — *provided* each thread has already done torch's lazy per-thread init (the
 first ``get_num_threads`` in a thread re-applies the last value set by any thread).  :meth:`_bind`
 therefore calls ``get_num_threads`` before ``set_num_threads``.  Each lane thread gets its own OpenMP
-worker team, created with the lane's affinity mask; a worker keeps the mask it was created with, so
-after a rung change a reused worker may still run on the cores of its first rung (exact on 2 cores,
-where a partitioned lane has no workers).
+worker team; a worker keeps the mask it was created with, so whenever a lane's cores change its team is
+re-pinned with it (:func:`~.omp_team.pin_team`; where the compiled library does not share PyTorch's OpenMP
+runtime, a reused worker may still run on the cores of an earlier rung — exact on 2 cores, where a
+partitioned lane has no workers).
 
 A step of at most :data:`ONE_THREAD_MAX_TOKENS` tokens (a decode of a few sequences) runs on one
 intra-op thread: its matmuls are memory-bound, so one thread moves nearly what two do, while a second
@@ -24,10 +25,9 @@ lane thread's affinity and intra-op thread count follow, between its layers, whe
 Decode's cores are those of its partitioned binding (the ladder's first partitioned rung until it has
 one); when decode moves to a rung whose cores a running prefill step still holds, its next step waits for
 that step's next refit too.  The scheduler keeps decode off the shared rung while it lends (with decode
-there, both lanes would spread over every core at normal priority).  Known gap on more than two cores: the
-prefill lane's OpenMP workers keep the affinity mask of the thread that created them, so after a wide step
-a narrowed prefill running several threads can still have workers runnable on decode's cores (on two cores
-a narrowed prefill runs one thread and no worker).
+there, both lanes would spread over every core at normal priority).  On more than two cores a narrowed
+prefill runs several threads: its OpenMP workers are re-pinned with it, or (runtime not shared) may stay
+runnable on decode's cores.
 
 With ``lend_decode_cores=False`` the old rule holds instead: the shared rung's prefill lane thread runs
 at ``SCHED_IDLE`` — decode preempts prefill, and prefill soaks up the cycles decode leaves.  But an
@@ -50,6 +50,7 @@ import torch
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.core_loan import CoreLoan
 from agentserve.executor.partition.ladder import CPU_GRANULARITY, DEFAULT_SHARES, build_ladder
+from agentserve.executor.partition.omp_team import pin_team
 from agentserve.protocol.lanes import CPU_CORES_BACKEND, Lane, Rung
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ class CpuCoresBackend(PartitionBackend):
         old_threads = torch.get_num_threads()
         os.sched_setaffinity(tid, cores)
         torch.set_num_threads(len(cores))
+        pin_team(cores, len(cores))
         background = lane == Lane.PREFILL and not rung.partitioned and self.idle_prefill_when_shared
         if lane == Lane.DECODE and rung.partitioned:
             self._decode_home = cores
@@ -175,6 +177,7 @@ class CpuCoresBackend(PartitionBackend):
         finally:
             torch.set_num_threads(old_threads)
             os.sched_setaffinity(tid, old_mask)
+            pin_team(sorted(old_mask), old_threads)
 
     @contextmanager
     def step_scope(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
@@ -239,12 +242,16 @@ class CpuCoresBackend(PartitionBackend):
         return tuple(c for c in binding.cores if c not in self._decode_home)
 
     def _apply(self, cores: tuple[int, ...], threads: int) -> None:
-        """Pin the calling (prefill lane) thread to ``cores`` with ``threads`` intra-op threads, if not already."""
-        if self._prefill_view == (cores, threads):
+        """Pin the calling (prefill lane) thread to ``cores`` with ``threads`` intra-op threads, if not already;
+        its OpenMP workers follow (a worker joining the team may have been created on other cores)."""
+        view = self._prefill_view
+        if view == (cores, threads):
             return
-        if self._prefill_view is None or self._prefill_view[0] != cores:
+        if view is None or view[0] != cores:
             os.sched_setaffinity(threading.get_native_id(), cores)
         torch.set_num_threads(threads)
+        if view is None or view[0] != cores or threads > view[1]:
+            pin_team(cores, threads)
         self._prefill_view = (cores, threads)
 
     def _release(self) -> None:

@@ -1,0 +1,64 @@
+/* The calling thread's OpenMP worker team, as the cpu-cores backend needs it (loaded through ctypes by
+ * omp_team.py; built into the CPU library with the attention kernels).
+ *
+ * libgomp keeps one pool of worker threads per thread that starts parallel regions, shared by every library
+ * that uses the same runtime: a lane thread's PyTorch products and these functions run on the same workers
+ * when PyTorch's OpenMP runtime is the one this library was linked against (omp_team.py checks that first).
+ * A worker keeps the affinity mask it was created with; agentserve_pin_team moves the first nthreads - 1
+ * workers, with the calling thread, onto a new set of CPUs. */
+#define _GNU_SOURCE
+#include <sched.h>
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* The calling thread's nthreads ICV in this library's runtime (what torch.set_num_threads sets in its own). */
+int agentserve_omp_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return -1;
+#endif
+}
+
+/* Pin the calling thread and the first nthreads - 1 workers of its team to cpus[0..ncpus-1].
+ * Returns the number of team threads whose mask could not be set (0: all), or -1 without OpenMP. */
+int agentserve_pin_team(int nthreads, const int *cpus, int ncpus) {
+#ifdef _OPENMP
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int i = 0; i < ncpus; i++)
+        if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE) CPU_SET(cpus[i], &set);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : failed)
+    failed += sched_setaffinity(0, sizeof set, &set) != 0;
+    return failed;
+#else
+    (void)nthreads, (void)cpus, (void)ncpus;
+    return -1;
+#endif
+}
+
+/* For tests: each of the team's threads (up to nthreads) writes its mask's first 64 CPUs to
+ * out[omp_get_thread_num()]; returns how many threads the team had (-1 without OpenMP). */
+int agentserve_team_masks(int nthreads, uint64_t *out) {
+#ifdef _OPENMP
+    int size = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        cpu_set_t set;
+        uint64_t bits = 0;
+        if (sched_getaffinity(0, sizeof set, &set) == 0)
+            for (int c = 0; c < 64; c++)
+                if (CPU_ISSET(c, &set)) bits |= (uint64_t)1 << c;
+        out[omp_get_thread_num()] = bits;
+#pragma omp single
+        size = omp_get_num_threads();
+    }
+    return size;
+#else
+    (void)nthreads, (void)out;
+    return -1;
+#endif
+}

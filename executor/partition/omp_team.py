@@ -1,0 +1,85 @@
+"""Re-pinning a lane thread's OpenMP workers when its cores change (``omp_team.c``, in the CPU library).
+
+``os.sched_setaffinity`` moves one thread; the OpenMP workers PyTorch's products run on keep the mask they
+were created with.  So on more than two cores a lane that narrows (the prefill lane giving the decode lane's
+cores back, either lane moving down a rung) could leave workers runnable on the other lane's cores.
+:func:`pin_team` moves them too, by running one parallel region in the calling thread that sets each team
+thread's mask.  That reaches PyTorch's workers only when the library shares PyTorch's OpenMP runtime (one
+libgomp in the process, as with the PyTorch wheels for Linux); :func:`shares_torch_runtime` checks it once,
+by whether ``torch.set_num_threads`` is visible through the library.  Where it is not shared, or there is no
+C compiler, the workers keep their masks (logged once) and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from agentserve.executor.kernels.build import library
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    lib = library()
+    if lib is None:
+        return None
+    max_threads, pin, masks = lib.agentserve_omp_max_threads, lib.agentserve_pin_team, lib.agentserve_team_masks
+    max_threads.argtypes, max_threads.restype = [], ctypes.c_int
+    pin.argtypes, pin.restype = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int], ctypes.c_int
+    masks.argtypes, masks.restype = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int
+    return max_threads, pin, masks
+
+
+@functools.cache
+def shares_torch_runtime() -> bool:
+    """Whether the CPU library's OpenMP runtime is PyTorch's (checked once, in the calling thread)."""
+    fns = _functions()
+    if fns is None:
+        log.info("OpenMP workers keep their first affinity mask: the CPU library is unavailable")
+        return False
+    max_threads = fns[0]
+    before = torch.get_num_threads()
+    try:
+        seen = []
+        for n in (before + 1, before + 2):
+            torch.set_num_threads(n)
+            seen.append(max_threads())
+    finally:
+        torch.set_num_threads(before)
+    shared = seen == [before + 1, before + 2]
+    if not shared:
+        log.info("OpenMP workers keep their first affinity mask: the CPU library's OpenMP runtime is not "
+                 "PyTorch's (it saw %s threads where PyTorch set %d and %d)", seen, before + 1, before + 2)
+    return shared
+
+
+def pin_team(cores: Sequence[int], threads: int) -> bool:
+    """Pin the calling thread and the first ``threads - 1`` workers of its OpenMP team to ``cores``.
+
+    Whether they were moved (``False`` where the runtime is not shared or a mask could not be set); a team
+    of one thread has no workers and needs nothing."""
+    if threads <= 1 or not shares_torch_runtime():
+        return False
+    fns = _functions()
+    assert fns is not None
+    cpus = (ctypes.c_int * len(cores))(*cores)
+    return fns[1](threads, cpus, len(cores)) == 0
+
+
+def team_masks(threads: int) -> list[set[int]] | None:
+    """Each thread's mask (CPUs below 64) in a team of ``threads`` started by the calling thread, master
+    first; ``None`` without the library or OpenMP.  For tests and diagnostics."""
+    fns = _functions()
+    if fns is None:
+        return None
+    out = (ctypes.c_uint64 * threads)()
+    size = fns[2](threads, out)
+    if size < 0:
+        return None
+    return [{c for c in range(64) if out[i] >> c & 1} for i in range(size)]
