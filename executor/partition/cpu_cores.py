@@ -177,7 +177,7 @@ class CpuCoresBackend(PartitionBackend):
         finally:
             torch.set_num_threads(old_threads)
             os.sched_setaffinity(tid, old_mask)
-            pin_team(sorted(old_mask), old_threads)
+            pin_team(sorted(old_mask), min(old_threads, len(cores)))  # the workers this binding re-pinned
 
     @contextmanager
     def step_scope(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
