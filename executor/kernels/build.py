@@ -104,11 +104,12 @@ def _build(cc: str, flags: tuple[str, ...], out: Path) -> None:
 def _open(path: Path) -> ctypes.CDLL:
     """Load the library with its OpenMP runtime's idle threads sleeping, not spinning.
 
-    With PyTorch's Linux wheels the ``libgomp.so.1`` it links resolves to the one PyTorch already loaded (one
-    runtime, whose policy PyTorch's load set; :mod:`~agentserve.executor.partition.omp_team` relies on that
-    and checks it).  Where it is a second runtime, with the default policy its workers would spin between
-    layers on cores the prefill lane runs on.  libgomp reads the policy when it is first loaded, so it is set
-    for that moment only (an explicit ``OMP_WAIT_POLICY`` wins)."""
+    With the current PyTorch wheels for Linux the ``libgomp.so.1`` it links resolves to the one PyTorch already
+    loaded: one runtime, which read its wait policy when PyTorch loaded it, so the setting here has no effect
+    (:mod:`~agentserve.executor.partition.omp_team` relies on the one runtime and checks it).  Where it is a
+    second runtime, with the default policy its workers would spin between layers on cores the prefill lane
+    runs on; libgomp reads the policy when it is first loaded, so it is set for that moment only (an explicit
+    ``OMP_WAIT_POLICY`` wins)."""
     before = os.environ.get("OMP_WAIT_POLICY")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:

@@ -10,10 +10,10 @@ rung, the cores of decode's partition are only *lent* to it:
   them — at its next layer boundary or the end of its step — for at most ``return_timeout_s``
   (:meth:`CoreLoan.decode_step`).
 
-So on two cores decode never shares its core with prefill work (on more, see the OpenMP-worker gap in
-:mod:`.cpu_cores`); it waits at most one prefill layer, once per burst of decode steps, while a cold chunk or
-a resume runs on every core for as long as decode leaves them, where a fixed split would leave decode's core
-idle between its bursts.  Invariant: ``lent`` is true only while the
+So decode never shares its cores with prefill work (on more than two cores the prefill lane's OpenMP
+workers move with it where :mod:`.omp_team` can re-pin them); it waits at most one prefill layer, once per
+burst of decode steps, while a cold chunk or a resume runs on every core for as long as decode leaves them,
+where a fixed split would leave decode's core idle between its bursts.  Invariant: ``lent`` is true only while the
 prefill lane runs on decode's cores, and it is set under the lock together with the check that decode is
 idle, so a decode step that starts after the check waits for the next layer boundary instead of racing it.
 """

@@ -50,7 +50,7 @@ import torch
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.core_loan import CoreLoan
 from agentserve.executor.partition.ladder import CPU_GRANULARITY, DEFAULT_SHARES, build_ladder
-from agentserve.executor.partition.omp_team import pin_team
+from agentserve.executor.partition.omp_team import pin_team, shares_torch_runtime
 from agentserve.protocol.lanes import CPU_CORES_BACKEND, Lane, Rung
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,7 @@ class CpuCoresBackend(PartitionBackend):
                 if why_not is None
                 else f"the shared rung's prefill lane keeps normal priority (SCHED_IDLE: {why_not})"
             )
+        shares_torch_runtime()  # now, not in a lane's first binding: it may build the CPU library (seconds)
         note = reason or f"lanes are threads pinned to disjoint cores ({len(self.cores)} usable); {shared}"
         super().__init__(ladder, f"cpu ({len(self.cores)} cores)", note)
 
@@ -164,7 +165,6 @@ class CpuCoresBackend(PartitionBackend):
         old_threads = torch.get_num_threads()
         os.sched_setaffinity(tid, cores)
         torch.set_num_threads(len(cores))
-        pin_team(cores, len(cores))
         background = lane == Lane.PREFILL and not rung.partitioned and self.idle_prefill_when_shared
         if lane == Lane.DECODE and rung.partitioned:
             self._decode_home = cores
@@ -172,12 +172,13 @@ class CpuCoresBackend(PartitionBackend):
             if self.loan is not None and view is not None and set(view[0]) & set(cores):
                 self.loan.reclaim()  # decode moved onto cores a running prefill step holds: wait for its refit
         try:
+            pin_team(cores, len(cores))
             with idle_priority(tid) if background else nullcontext(False) as idle:
                 yield LaneBinding(lane, rung, len(cores), threads=len(cores), cores=cores, idle=idle)
         finally:
             torch.set_num_threads(old_threads)
             os.sched_setaffinity(tid, old_mask)
-            pin_team(sorted(old_mask), min(old_threads, len(cores)))  # the workers this binding re-pinned
+            pin_team(sorted(old_mask), min(old_threads, len(cores), len(old_mask)))  # those it re-pinned, at most
 
     @contextmanager
     def step_scope(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
@@ -243,7 +244,8 @@ class CpuCoresBackend(PartitionBackend):
 
     def _apply(self, cores: tuple[int, ...], threads: int) -> None:
         """Pin the calling (prefill lane) thread to ``cores`` with ``threads`` intra-op threads, if not already;
-        its OpenMP workers follow (a worker joining the team may have been created on other cores)."""
+        its OpenMP workers follow when the cores change or the team grows (a worker parked by one-thread steps
+        kept the mask it had)."""
         view = self._prefill_view
         if view == (cores, threads):
             return

@@ -5,7 +5,11 @@
  * that uses the same runtime: a lane thread's PyTorch products and these functions run on the same workers
  * when PyTorch's OpenMP runtime is the one this library was linked against (omp_team.py checks that first).
  * A worker keeps the affinity mask it was created with; agentserve_pin_team moves the first nthreads - 1
- * workers, with the calling thread, onto a new set of CPUs. */
+ * workers, with the calling thread, onto a new set of CPUs.  How libgomp's pool behaves makes that enough:
+ * a region with fewer threads than the pool ends the surplus workers, a region with more creates the new
+ * ones with the calling thread's mask as it is then, and a one-thread region leaves the pool alone, so a
+ * worker parked by one-thread regions keeps its old mask until a larger team is pinned again (the caller
+ * pins whenever the cores change or the thread count grows). */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdint.h>
@@ -19,6 +23,15 @@ int agentserve_omp_max_threads(void) {
     return omp_get_max_threads();
 #else
     return -1;
+#endif
+}
+
+/* Set the calling thread's nthreads ICV in this library's runtime (omp_team.py's check of the runtime). */
+void agentserve_omp_set_num_threads(int n) {
+#ifdef _OPENMP
+    omp_set_num_threads(n);
+#else
+    (void)n;
 #endif
 }
 

@@ -5,9 +5,10 @@ were created with.  So on more than two cores a lane that narrows (the prefill l
 cores back, either lane moving down a rung) could leave workers runnable on the other lane's cores.
 :func:`pin_team` moves them too, by running one parallel region in the calling thread that sets each team
 thread's mask.  That reaches PyTorch's workers only when the library shares PyTorch's OpenMP runtime (one
-libgomp in the process, as with the PyTorch wheels for Linux); :func:`shares_torch_runtime` checks it once,
-by whether ``torch.set_num_threads`` is visible through the library.  Where it is not shared, or there is no
-C compiler, the workers keep their masks (logged once) and nothing else changes.
+libgomp in the process, as with the current PyTorch wheels for Linux; older ones bundled a renamed copy);
+:func:`shares_torch_runtime` checks it once, by whether a thread count set through the library is what
+PyTorch then reports.  Where it is not shared, or there is no C compiler, the workers keep their masks
+(logged once) and nothing else changes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -24,38 +26,52 @@ from agentserve.executor.kernels.build import library
 log = logging.getLogger(__name__)
 
 
+class _Functions(NamedTuple):
+    max_threads: Callable[[], int]
+    set_threads: Callable[[int], None]
+    pin: Callable[..., int]
+    masks: Callable[..., int]
+
+
 @functools.cache
-def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+def _functions() -> _Functions | None:
     lib = library()
     if lib is None:
         return None
-    max_threads, pin, masks = lib.agentserve_omp_max_threads, lib.agentserve_pin_team, lib.agentserve_team_masks
-    max_threads.argtypes, max_threads.restype = [], ctypes.c_int
-    pin.argtypes, pin.restype = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int], ctypes.c_int
-    masks.argtypes, masks.restype = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int
-    return max_threads, pin, masks
+    fns = _Functions(lib.agentserve_omp_max_threads, lib.agentserve_omp_set_num_threads, lib.agentserve_pin_team,
+                     lib.agentserve_team_masks)
+    fns.max_threads.argtypes, fns.max_threads.restype = [], ctypes.c_int  # type: ignore[attr-defined]
+    fns.set_threads.argtypes, fns.set_threads.restype = [ctypes.c_int], None  # type: ignore[attr-defined]
+    fns.pin.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int]  # type: ignore[attr-defined]
+    fns.masks.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]  # type: ignore[attr-defined]
+    fns.pin.restype = fns.masks.restype = ctypes.c_int  # type: ignore[attr-defined]
+    return fns
 
 
 @functools.cache
 def shares_torch_runtime() -> bool:
-    """Whether the CPU library's OpenMP runtime is PyTorch's (checked once, in the calling thread)."""
+    """Whether the CPU library's OpenMP runtime is PyTorch's: checked once (the cpu-cores backend asks when it is
+    made), by setting the calling thread's thread count through the library and reading it back through
+    PyTorch (which leaves PyTorch's own settings alone)."""
     fns = _functions()
     if fns is None:
         log.info("OpenMP workers keep their first affinity mask: the CPU library is unavailable")
         return False
-    max_threads = fns[0]
+    if fns.max_threads() < 0:
+        log.info("OpenMP workers keep their first affinity mask: the CPU library was built without OpenMP")
+        return False
     before = torch.get_num_threads()
+    seen = []
     try:
-        seen = []
         for n in (before + 1, before + 2):
-            torch.set_num_threads(n)
-            seen.append(max_threads())
+            fns.set_threads(n)
+            seen.append(torch.get_num_threads())
     finally:
-        torch.set_num_threads(before)
+        fns.set_threads(before)
     shared = seen == [before + 1, before + 2]
     if not shared:
         log.info("OpenMP workers keep their first affinity mask: the CPU library's OpenMP runtime is not "
-                 "PyTorch's (it saw %s threads where PyTorch set %d and %d)", seen, before + 1, before + 2)
+                 "PyTorch's (PyTorch saw %s threads where the library set %d and %d)", seen, before + 1, before + 2)
     return shared
 
 
@@ -69,7 +85,7 @@ def pin_team(cores: Sequence[int], threads: int) -> bool:
     fns = _functions()
     assert fns is not None
     cpus = (ctypes.c_int * len(cores))(*cores)
-    return fns[1](threads, cpus, len(cores)) == 0
+    return fns.pin(threads, cpus, len(cores)) == 0
 
 
 def team_masks(threads: int) -> list[set[int]] | None:
@@ -79,7 +95,7 @@ def team_masks(threads: int) -> list[set[int]] | None:
     if fns is None:
         return None
     out = (ctypes.c_uint64 * threads)()
-    size = fns[2](threads, out)
+    size = fns.masks(threads, out)
     if size < 0:
         return None
     return [{c for c in range(64) if out[i] >> c & 1} for i in range(size)]

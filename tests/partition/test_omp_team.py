@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -22,6 +22,13 @@ def cores() -> tuple[int, int]:
     if team_masks(2) is None:
         pytest.skip("no CPU library (no C compiler or no OpenMP)")
     return usable[0], usable[1]
+
+
+@pytest.fixture
+def cpu(cores: tuple[int, int]) -> Iterator[CpuCoresBackend]:
+    backend = CpuCoresBackend(cores=cores)
+    yield backend
+    backend.close()
 
 
 def in_thread(fn: Callable[[], None]) -> None:
@@ -69,9 +76,10 @@ def test_a_team_of_one_thread_needs_no_pinning(cores: tuple[int, int]) -> None:
     assert not pin_team(cores, 1)
 
 
-def test_the_prefill_lane_narrowing_takes_its_workers_off_decodes_core(cores: tuple[int, int]) -> None:
+def test_the_prefill_lane_narrowing_takes_its_workers_off_decodes_core(
+    cores: tuple[int, int], cpu: CpuCoresBackend
+) -> None:
     a, b = cores
-    cpu = CpuCoresBackend(cores=cores)
 
     def body() -> None:
         cpu._apply((a, b), 2)  # a wide step: the worker is created on both cores
@@ -81,15 +89,11 @@ def test_the_prefill_lane_narrowing_takes_its_workers_off_decodes_core(cores: tu
         cpu._apply((a, b), 2)
         assert team_masks(2) == [{a, b}, {a, b}]
 
-    try:
-        in_thread(body)
-    finally:
-        cpu.close()
+    in_thread(body)
 
 
-def test_binding_a_lane_pins_its_team_and_leaving_restores_it(cores: tuple[int, int]) -> None:
+def test_binding_a_lane_pins_its_team(cores: tuple[int, int], cpu: CpuCoresBackend) -> None:
     a, b = cores
-    cpu = CpuCoresBackend(cores=cores)
     top = cpu.ladder[-1]
 
     def body() -> None:
@@ -99,9 +103,50 @@ def test_binding_a_lane_pins_its_team_and_leaving_restores_it(cores: tuple[int, 
         assert team_masks(2) == [{b}, {b}], "the worker is created on the thread's one core"
         with cpu.lane_context(Lane.PREFILL, top.index):
             assert team_masks(2) == [{a, b}, {a, b}]
-        assert os.sched_getaffinity(tid) == {b} and team_masks(2) == [{b}, {b}]
+        assert os.sched_getaffinity(tid) == {b} and torch.get_num_threads() == 2
 
-    try:
-        in_thread(body)
-    finally:
-        cpu.close()
+    in_thread(body)
+
+
+def test_a_worker_parked_by_one_thread_steps_is_re_pinned_when_the_team_grows_again(
+    cores: tuple[int, int], cpu: CpuCoresBackend
+) -> None:
+    a, b = cores
+
+    def body() -> None:
+        cpu._apply((a, b), 2)
+        cpu._apply((b,), 1)  # one-thread regions leave the parked worker on both cores
+        cpu._apply((b,), 2)  # the same cores, more threads
+        assert team_masks(2) == [{b}, {b}]
+
+    in_thread(body)
+
+
+def test_pytorchs_own_workers_follow_the_lane(cores: tuple[int, int], cpu: CpuCoresBackend) -> None:
+    """Seen from outside the library: every thread the lane's products started ends up on the lane's core."""
+    a, b = cores
+    before = {int(t) for t in os.listdir("/proc/self/task")}
+    seen: dict[int, set[int]] = {}
+
+    def body() -> None:
+        x = torch.randn(512, 512)
+        cpu._apply((a, b), 2)
+        torch.mm(x, x)
+        cpu._apply((b,), 2)
+        torch.mm(x, x)
+        new = (int(t) for t in os.listdir("/proc/self/task") if int(t) not in before)
+        seen.update({t: os.sched_getaffinity(t) for t in new})
+
+    in_thread(body)
+    assert len(seen) >= 2, "the lane thread and a worker"
+    assert all(mask == {b} for mask in seen.values()), seen
+
+
+def test_the_runtime_check_leaves_pytorchs_thread_count_alone(cores: tuple[int, int]) -> None:
+    def body() -> None:
+        torch.set_num_threads(2)
+        shares_torch_runtime.cache_clear()
+        assert shares_torch_runtime()
+        assert torch.get_num_threads() == 2
+
+    in_thread(body)
