@@ -18,6 +18,7 @@ answering clients while the model loads.  Nothing here imports torch.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ import msgspec
 from agentserve.orchestrator.hang_watch import HangWatch
 from agentserve.orchestrator.limits import HangRule
 from agentserve.orchestrator.wake_queue import WakeQueue
+from agentserve.protocol.lanes import OPENMP_BINDING_ENV
 from agentserve.protocol.ring_messages import WIRE_VERSION, ExecError, Plan, Ready, Result, Shutdown
 from agentserve.shm.channel import RingPair
 from agentserve.shm.errors import PeerDied, RingClosed, ShmError
@@ -72,6 +74,11 @@ class ExecutorSpec:
     log_level: str = "INFO"
     log_json: bool = False
 
+    def env(self) -> dict[str, str]:
+        """The executor's environment: this process's, without OpenMP's binding settings (``OPENMP_BINDING_ENV``:
+        they would pin the executor to one core before its partition backend reads the usable ones)."""
+        return {k: v for k, v in os.environ.items() if k not in OPENMP_BINDING_ENV}
+
     def command(self, role: str) -> list[str]:
         cmd = [sys.executable, "-m", "agentserve.executor", "--run", self.run, "--role", role]
         cmd += ["--model", self.model_dir, "--log-level", self.log_level, *self.args]
@@ -109,7 +116,11 @@ class ExecutorLink:
         role = f"exec{self.generation}"
         self.pair = RingPair.create(self.spec.run, role)
         # its own session: a Ctrl-C in the terminal reaches only the orchestrator, which stops it in order
-        self.proc = subprocess.Popen(self.spec.command(role), stdin=subprocess.DEVNULL, start_new_session=True)
+        dropped = [f"{k}={os.environ[k]}" for k in OPENMP_BINDING_ENV if k in os.environ]
+        if dropped and self.generation == 0:
+            log.info("the executor starts without %s: it pins its lane threads itself", ", ".join(dropped))
+        self.proc = subprocess.Popen(self.spec.command(role), stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env=self.spec.env())
         self.pair.expect_peer(self.proc.pid)
         try:
             self.ready = self._await_ready(timeout, progress)

@@ -14,6 +14,12 @@ class Lane(enum.IntEnum):
 
 CPU_CORES_BACKEND = "cpu-cores"  # the partition backend whose units are CPU cores (every other one: SMs)
 
+# OpenMP's binding settings.  With any of them set, the OpenMP runtime pins the process's first thread to one place
+# as it loads (when PyTorch is imported), and the cpu-cores backend, which takes the usable cores from that
+# thread's mask, would see one core: no partition at all.  The executor pins its lane threads and their OpenMP
+# workers itself, so `agentserve up` starts it without them.
+OPENMP_BINDING_ENV = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
+
 
 def backend_unit(backend: str) -> str:
     """What a partition backend's rungs count: ``cores`` (the CPU backend) or ``SMs``."""

@@ -67,3 +67,22 @@ def test_any_failure_of_a_restart_is_reported(monkeypatch) -> None:
     (msg,) = link.drain()
     assert isinstance(msg, RestartFailed) and msg.reason == "RuntimeError: unexpected"
     link.close()
+
+
+def test_the_executor_starts_without_openmp_binding(monkeypatch) -> None:
+    """With OMP_PROC_BIND / OMP_PLACES in the environment, OpenMP would pin the executor's first thread to one core
+    as PyTorch loads, and the cpu-cores backend would see that core only: one unpartitioned rung."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two usable cores")
+    monkeypatch.setenv("OMP_PROC_BIND", "close")
+    monkeypatch.setenv("OMP_PLACES", "cores")
+    spec = ExecutorSpec(f"t{uuid.uuid4().hex[:8]}", str(resolve_model("tiny")),
+                        ["--dtype", "float32", "--num-blocks", "64", "--partition", "cpu-cores"])
+    assert not set(spec.env()) & {"OMP_PROC_BIND", "OMP_PLACES"}
+    link = ExecutorLink(spec)
+    try:
+        ready = link.start(timeout=120)
+        assert any(r.partitioned for r in ready.ladder), f"one core seen: {ready.reason}"
+    finally:
+        link.close()
+    assert not _ours(spec.run)
