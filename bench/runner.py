@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from agentserve.bench import report as reporting
@@ -34,18 +35,25 @@ def context_per_agent(spec: WorkloadSpec) -> int:
     return -(-n // 256) * 256
 
 
+def log_name(system: str, spec: WorkloadSpec) -> str:
+    """The file a run's server log is kept as: one per system, agent count and seed (each repeat has its own)."""
+    return f"{system}-agents{spec.agents}-seed{spec.seed}.log"
+
+
 def launcher(model: str, server_args: list[str], target: str | None = None, dialect: str = "openai",
-             target_model: str | None = None) -> Launch:
-    """``launch(system, spec)``: a context manager that starts ``system`` for ``spec.agents`` agents."""
+             target_model: str | None = None, logs: Path | None = None) -> Launch:
+    """``launch(system, spec)``: a context manager that starts ``system`` for ``spec.agents`` agents; with
+    ``logs``, each server's log is kept there (:func:`log_name`)."""
 
     def launch(name: str, spec: WorkloadSpec) -> Any:
+        keep_log = logs / log_name(name, spec) if logs is not None else None
         if name == TARGET:
             if target is None:
                 raise ValueError("the target system needs --target URL")
             return servers.external(target, dialect, target_model)
         if name == LLAMA_SERVER:
-            return servers.llama_server(model, spec.agents, context_per_agent(spec))
-        return servers.agentserve(model, name, server_args)
+            return servers.llama_server(model, spec.agents, context_per_agent(spec), keep_log=keep_log)
+        return servers.agentserve(model, name, server_args, keep_log=keep_log)
 
     return launch
 

@@ -2,7 +2,8 @@
 
 Each launcher is a context manager that yields a connected-ready :class:`Target` (how to build the
 driver) and stops the process on exit (SIGTERM, then SIGKILL after a grace period). Server output
-goes to a log file whose tail is quoted when the server fails to start.
+goes to a log file whose tail is quoted when the server fails to start, and which is copied to ``keep_log`` when
+the server has stopped (``agentserve bench --keep-logs``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
 
 @contextlib.contextmanager
 def _process(cmd: list[str], ready: Callable[[subprocess.Popen, Path], bool], timeout_s: float,
-             env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+             env: dict[str, str] | None = None, keep_log: Path | None = None) -> Iterator[subprocess.Popen]:
     workdir = Path(tempfile.mkdtemp(prefix="agentserve-bench-"))
     log = workdir / "server.log"
     with log.open("wb") as out:
@@ -77,7 +78,18 @@ def _process(cmd: list[str], ready: Callable[[subprocess.Popen, Path], bool], ti
         rc = _stop(proc)
         if rc not in (0, -signal.SIGTERM):
             print(f"warning: {cmd[0]} exited with {rc}:\n{_tail(log, 10)}", file=sys.stderr)
+        if keep_log is not None:
+            keep(log, keep_log)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def keep(log: Path, to: Path) -> None:
+    """Copy a stopped server's log to ``to`` (its folder made as needed); a failure is a warning, not an error."""
+    try:
+        to.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, to)
+    except OSError as e:
+        print(f"warning: could not keep the server log as {to}: {e}", file=sys.stderr)
 
 
 def agentserve_command(model: str, policy: str, endpoint: str, extra: list[str]) -> list[str]:
@@ -90,14 +102,14 @@ def agentserve_command(model: str, policy: str, endpoint: str, extra: list[str])
 
 @contextlib.contextmanager
 def agentserve(model: str, policy: str, extra: list[str] | None = None,
-               timeout_s: float = 600.0) -> Iterator[Target]:
+               timeout_s: float = 600.0, keep_log: Path | None = None) -> Iterator[Target]:
     """A fresh ``agentserve up`` with ``policy``; ready once it prints a line with "ready" and its endpoint."""
     sock_dir = Path(tempfile.mkdtemp(prefix="agentserve-bench-ipc-"))
     endpoint = f"ipc://{sock_dir}/ingress.sock"
     ready = lambda proc, log: any(endpoint in line and "ready" in line.lower()
                                   for line in log.read_text(errors="replace").splitlines())
     try:
-        with _process(agentserve_command(model, policy, endpoint, extra or []), ready, timeout_s):
+        with _process(agentserve_command(model, policy, endpoint, extra or []), ready, timeout_s, keep_log=keep_log):
             yield Target(policy, lambda: SDKDriver(endpoint, name=policy))
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
@@ -148,7 +160,8 @@ def ascii_only_bias(model: str) -> dict:
 
 
 @contextlib.contextmanager
-def llama_server(model: str, slots: int, ctx_per_slot: int, timeout_s: float = 300.0) -> Iterator[Target]:
+def llama_server(model: str, slots: int, ctx_per_slot: int, timeout_s: float = 300.0,
+                 keep_log: Path | None = None) -> Iterator[Target]:
     """llama.cpp's ``llama-server`` on 127.0.0.1 with ``slots`` parallel slots, the same weights as GGUF.
 
     ``AGENTSERVE_LLAMA_ARGS`` adds arguments (e.g. ``-t 1``).
@@ -159,7 +172,7 @@ def llama_server(model: str, slots: int, ctx_per_slot: int, timeout_s: float = 3
            "-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-webui",
            *os.environ.get("AGENTSERVE_LLAMA_ARGS", "").split()]
     extra = ascii_only_bias(model)
-    with _process(cmd, lambda proc, log: _healthy(url), timeout_s):
+    with _process(cmd, lambda proc, log: _healthy(url), timeout_s, keep_log=keep_log):
         yield Target("llama-server", lambda: OpenAIDriver(url, dialect="llamacpp", name="llama-server",
                                                           extra_body=extra))
 

@@ -190,13 +190,15 @@ def _check_errors(out: dict[str, Any], runs: sweep.SweepRuns) -> None:
 @click.option("--tpot-slo-ms", type=float, default=100.0, show_default=True)
 @click.option("--request-timeout", type=float, default=300.0, show_default=True, help="seconds per turn")
 @click.option("--server-arg", "server_args", multiple=True, help="extra argument for `agentserve up`")
+@click.option("--keep-logs", type=click.Path(file_okay=False), default=None,
+              help="keep each server's log in this folder, as SYSTEM-agentsN-seedS.log")
 @click.pass_context
 def bench(ctx: click.Context, workload: str, agents: str | None, policies: str, duration: float, warmup: float,
           repeats: int, model: str, json_path: str | None, plot_path: str | None, report_dir: str | None,
           report_out: str | None, target: str | None, target_dialect: str, target_model: str | None,
           tool_latency_median: float | None, tool_latency_sigma: float | None, steps: int | None,
           seed: int | None, ttft_slo_ms: float, tpot_slo_ms: float, request_timeout: float,
-          server_args: tuple[str, ...]) -> None:
+          server_args: tuple[str, ...], keep_logs: str | None) -> None:
     """Run closed-loop agents against each system for --duration seconds and compare them."""
     if report_dir:
         from agentserve.bench import paper
@@ -220,7 +222,8 @@ def bench(ctx: click.Context, workload: str, agents: str | None, policies: str, 
     systems = [runner.TARGET] if target else system_names(policies)
     # Each AgentServe server steers by the SLO this benchmark measures (flags given later win).
     steer = ["--tpot-slo-ms", str(tpot_slo_ms), "--ttft-slo-ms", str(ttft_slo_ms)]
-    launch = runner.launcher(model, [*steer, *server_args], target, target_dialect, target_model)
+    launch = runner.launcher(model, [*steer, *server_args], target, target_dialect, target_model,
+                             Path(keep_logs) if keep_logs else None)
     console = Console()
     if not console.is_terminal:  # a log file: room for a column per system
         console = Console(width=160)

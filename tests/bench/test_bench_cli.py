@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from bench_fakes import FakeDriver, FakeLaunches, ThreadedServer
@@ -160,13 +161,29 @@ def test_bad_policy_or_agent_list_is_refused_before_anything_runs():
 
 def test_each_point_launches_its_system_for_that_agent_count(monkeypatch):
     calls = []
-    monkeypatch.setattr(servers, "llama_server", lambda *a: calls.append(("llama", *a)))
-    monkeypatch.setattr(servers, "agentserve", lambda *a: calls.append(("up", *a)))
+    monkeypatch.setattr(servers, "llama_server", lambda *a, **k: calls.append(("llama", *a, k)))
+    monkeypatch.setattr(servers, "agentserve", lambda *a, **k: calls.append(("up", *a, k)))
     launch = runner.launcher("tiny", ["--tpot-slo-ms", "80"])
     spec = dataclasses.replace(load_spec("react"), agents=5)
     launch("llama-server", spec)
     launch("no-partition", spec)
-    assert calls == [("llama", "tiny", 5, context_per_agent(spec)),
-                     ("up", "tiny", "no-partition", ["--tpot-slo-ms", "80"])]
+    assert calls == [("llama", "tiny", 5, context_per_agent(spec), {"keep_log": None}),
+                     ("up", "tiny", "no-partition", ["--tpot-slo-ms", "80"], {"keep_log": None})]
+    calls.clear()
+    runner.launcher("tiny", [], logs=Path("logs"))("agentserve", spec)
+    assert calls == [("up", "tiny", "agentserve", [], {"keep_log": Path("logs/agentserve-agents5-seed0.log")})]
     with pytest.raises(ValueError, match="--target"):
         launch("target", spec)
+
+
+def test_a_kept_log_is_the_servers_whole_output_after_it_stopped(tmp_path):
+    """``--keep-logs``: the log is copied once the server has stopped (its last lines included), into a folder made
+    as needed; the server's own work folder still goes."""
+    keep = tmp_path / "kept" / "x.log"
+    cmd = [sys.executable, "-c", "import signal, sys, time\n"
+           "signal.signal(signal.SIGTERM, lambda *a: (print('stopping cleanly', flush=True), sys.exit(0)))\n"
+           "print('ready', flush=True)\ntime.sleep(60)"]
+    with servers._process(cmd, lambda proc, log: "ready" in log.read_text(), 30, keep_log=keep) as proc:
+        assert not keep.exists(), "kept only once the server has stopped"
+    assert proc.returncode == 0
+    assert keep.read_text().split() == ["ready", "stopping", "cleanly"]

@@ -18,7 +18,7 @@ def test_short_bench_against_a_real_server(tmp_path):
     cmd = [str(exe) if exe.is_file() else "agentserve", "bench", "--workload", "react", "--agents", "2",
            "--policies", "agentserve", "--duration", "20", "--model", "tiny", "--tool-latency-median", "0.2",
            "--steps", "3",  # tiny has 4096 positions: 3 turns of react always fit
-           "--json", str(out)]
+           "--json", str(out), "--keep-logs", str(tmp_path / "logs")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figs = json.loads(out.read_text())["policies"]["agentserve"]
@@ -27,6 +27,8 @@ def test_short_bench_against_a_real_server(tmp_path):
     assert figs["ttft_resume"]["count"] >= 1
     assert figs["tpot"]["p95"] > 0 and figs["throughput_tok_s"] > 0
     assert figs["ratios"]["tpot_p95"] == pytest.approx(1.0)
+    log = (tmp_path / "logs" / "agentserve-agents2-seed0.log").read_text()  # the server's whole log, kept
+    assert "ready" in log and "shut down cleanly" in log, log[-2000:]
 
 
 def test_short_sweep_against_real_servers(tmp_path):
