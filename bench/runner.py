@@ -36,8 +36,9 @@ def context_per_agent(spec: WorkloadSpec) -> int:
 
 
 def log_name(system: str, spec: WorkloadSpec) -> str:
-    """The file a run's server log is kept as: one per system, agent count and seed (each repeat has its own)."""
-    return f"{system}-agents{spec.agents}-seed{spec.seed}.log"
+    """The file a run's server log is kept as: one per workload, system, agent count and seed (each repeat has its
+    own); :func:`~agentserve.bench.servers.keep` numbers a name already taken (an earlier bench into the folder)."""
+    return f"{spec.name}-{system}-agents{spec.agents}-seed{spec.seed}.log"
 
 
 def launcher(model: str, server_args: list[str], target: str | None = None, dialect: str = "openai",

@@ -83,13 +83,20 @@ def _process(cmd: list[str], ready: Callable[[subprocess.Popen, Path], bool], ti
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def keep(log: Path, to: Path) -> None:
-    """Copy a stopped server's log to ``to`` (its folder made as needed); a failure is a warning, not an error."""
+def keep(log: Path, to: Path) -> Path | None:
+    """Copy a stopped server's log to ``to`` (its folder made as needed), or to ``STEM-2.log``, ``STEM-3.log``, …
+    where that name is taken; returns where it went.  A failure is a warning, not an error."""
     try:
         to.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(log, to)
+        n, free = 1, to
+        while free.exists():
+            n += 1
+            free = to.with_name(f"{to.stem}-{n}{to.suffix}")
+        shutil.copyfile(log, free)
+        return free
     except OSError as e:
         print(f"warning: could not keep the server log as {to}: {e}", file=sys.stderr)
+        return None
 
 
 def agentserve_command(model: str, policy: str, endpoint: str, extra: list[str]) -> list[str]:

@@ -191,7 +191,7 @@ def _check_errors(out: dict[str, Any], runs: sweep.SweepRuns) -> None:
 @click.option("--request-timeout", type=float, default=300.0, show_default=True, help="seconds per turn")
 @click.option("--server-arg", "server_args", multiple=True, help="extra argument for `agentserve up`")
 @click.option("--keep-logs", type=click.Path(file_okay=False), default=None,
-              help="keep each server's log in this folder, as SYSTEM-agentsN-seedS.log")
+              help="keep each server's log in this folder, as WORKLOAD-SYSTEM-agentsN-seedS.log")
 @click.pass_context
 def bench(ctx: click.Context, workload: str, agents: str | None, policies: str, duration: float, warmup: float,
           repeats: int, model: str, json_path: str | None, plot_path: str | None, report_dir: str | None,
@@ -222,6 +222,11 @@ def bench(ctx: click.Context, workload: str, agents: str | None, policies: str, 
     systems = [runner.TARGET] if target else system_names(policies)
     # Each AgentServe server steers by the SLO this benchmark measures (flags given later win).
     steer = ["--tpot-slo-ms", str(tpot_slo_ms), "--ttft-slo-ms", str(ttft_slo_ms)]
+    if keep_logs:
+        try:
+            Path(keep_logs).mkdir(parents=True, exist_ok=True)  # fail now, not after the first run
+        except OSError as e:
+            raise click.BadParameter(str(e), param_hint="--keep-logs") from None
     launch = runner.launcher(model, [*steer, *server_args], target, target_dialect, target_model,
                              Path(keep_logs) if keep_logs else None)
     console = Console()

@@ -31,7 +31,7 @@ import msgspec
 from agentserve.orchestrator.hang_watch import HangWatch
 from agentserve.orchestrator.limits import HangRule
 from agentserve.orchestrator.wake_queue import WakeQueue
-from agentserve.protocol.lanes import OPENMP_BINDING_ENV
+from agentserve.protocol.lanes import OPENMP_BINDING_ENV, openmp_binding
 from agentserve.protocol.ring_messages import WIRE_VERSION, ExecError, Plan, Ready, Result, Shutdown
 from agentserve.shm.channel import RingPair
 from agentserve.shm.errors import PeerDied, RingClosed, ShmError
@@ -116,7 +116,7 @@ class ExecutorLink:
         role = f"exec{self.generation}"
         self.pair = RingPair.create(self.spec.run, role)
         # its own session: a Ctrl-C in the terminal reaches only the orchestrator, which stops it in order
-        dropped = [f"{k}={os.environ[k]}" for k in OPENMP_BINDING_ENV if k in os.environ]
+        dropped = openmp_binding(os.environ)
         if dropped and self.generation == 0:
             log.info("the executor starts without %s: it pins its lane threads itself", ", ".join(dropped))
         self.proc = subprocess.Popen(self.spec.command(role), stdin=subprocess.DEVNULL, start_new_session=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 from agentserve.protocol.base import WireStruct
 
@@ -19,6 +20,14 @@ CPU_CORES_BACKEND = "cpu-cores"  # the partition backend whose units are CPU cor
 # thread's mask, would see one core: no partition at all.  The executor pins its lane threads and their OpenMP
 # workers itself, so `agentserve up` starts it without them.
 OPENMP_BINDING_ENV = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
+
+
+def openmp_binding(environ: Mapping[str, str]) -> list[str]:
+    """The settings of ``environ`` that make OpenMP pin threads, as ``NAME=value``: none where ``OMP_PROC_BIND`` is
+    false (binding off, whatever the others say)."""
+    if environ.get("OMP_PROC_BIND", "").strip().lower() == "false":
+        return []
+    return [f"{k}={environ[k]}" for k in OPENMP_BINDING_ENV if k in environ]
 
 
 def backend_unit(backend: str) -> str:

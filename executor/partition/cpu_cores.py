@@ -51,7 +51,7 @@ from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.core_loan import CoreLoan
 from agentserve.executor.partition.ladder import CPU_GRANULARITY, DEFAULT_SHARES, build_ladder
 from agentserve.executor.partition.omp_team import pin_team, shares_torch_runtime
-from agentserve.protocol.lanes import CPU_CORES_BACKEND, OPENMP_BINDING_ENV, Lane, Rung
+from agentserve.protocol.lanes import CPU_CORES_BACKEND, Lane, Rung, openmp_binding
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def step_threads(num_tokens: int, available: int) -> int:
 def usable_cores() -> list[int]:
     """The calling process's CPUs (its first thread's mask); says so when OpenMP's binding settings narrowed it."""
     cores = sorted(os.sched_getaffinity(0))
-    bound = [f"{k}={os.environ[k]}" for k in OPENMP_BINDING_ENV if k in os.environ]
+    bound = openmp_binding(os.environ)
     if bound:
         log.warning("%s is set: OpenMP pinned this process's first thread as it loaded, so the lanes see CPU(s) %s "
                     "only; unset it (`agentserve up` starts its executor without it)", ", ".join(bound), cores)

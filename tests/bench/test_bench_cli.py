@@ -171,7 +171,7 @@ def test_each_point_launches_its_system_for_that_agent_count(monkeypatch):
                      ("up", "tiny", "no-partition", ["--tpot-slo-ms", "80"], {"keep_log": None})]
     calls.clear()
     runner.launcher("tiny", [], logs=Path("logs"))("agentserve", spec)
-    assert calls == [("up", "tiny", "agentserve", [], {"keep_log": Path("logs/agentserve-agents5-seed0.log")})]
+    assert calls == [("up", "tiny", "agentserve", [], {"keep_log": Path("logs/react-agentserve-agents5-seed0.log")})]
     with pytest.raises(ValueError, match="--target"):
         launch("target", spec)
 
@@ -187,3 +187,7 @@ def test_a_kept_log_is_the_servers_whole_output_after_it_stopped(tmp_path):
         assert not keep.exists(), "kept only once the server has stopped"
     assert proc.returncode == 0
     assert keep.read_text().split() == ["ready", "stopping", "cleanly"]
+    again = tmp_path / "again.log"
+    again.write_text("a later server")
+    assert servers.keep(again, keep) == keep.with_name("x-2.log"), "an earlier log is never overwritten"
+    assert keep.read_text().split()[0] == "ready" and keep.with_name("x-2.log").read_text() == "a later server"

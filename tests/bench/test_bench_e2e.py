@@ -27,7 +27,7 @@ def test_short_bench_against_a_real_server(tmp_path):
     assert figs["ttft_resume"]["count"] >= 1
     assert figs["tpot"]["p95"] > 0 and figs["throughput_tok_s"] > 0
     assert figs["ratios"]["tpot_p95"] == pytest.approx(1.0)
-    log = (tmp_path / "logs" / "agentserve-agents2-seed0.log").read_text()  # the server's whole log, kept
+    log = (tmp_path / "logs" / "react-agentserve-agents2-seed0.log").read_text()  # the server's whole log, kept
     assert "ready" in log and "shut down cleanly" in log, log[-2000:]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -9,9 +10,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from agentserve.executor.partition.cpu_cores import CpuCoresBackend
+from agentserve.executor.partition.cpu_cores import CpuCoresBackend, usable_cores
 from agentserve.executor.partition.omp_team import pin_team, shares_torch_runtime, team_masks
-from agentserve.protocol.lanes import Lane
+from agentserve.protocol.lanes import OPENMP_BINDING_ENV, Lane, openmp_binding
 
 
 @pytest.fixture
@@ -150,3 +151,26 @@ def test_the_runtime_check_leaves_pytorchs_thread_count_alone(cores: tuple[int, 
         assert torch.get_num_threads() == 2
 
     in_thread(body)
+
+
+@pytest.mark.parametrize(("environ", "binds"), [
+    ({"OMP_PROC_BIND": "close"}, ["OMP_PROC_BIND=close"]),
+    ({"OMP_PLACES": "cores", "HOME": "/x"}, ["OMP_PLACES=cores"]),
+    ({"GOMP_CPU_AFFINITY": "0-3"}, ["GOMP_CPU_AFFINITY=0-3"]),
+    ({"OMP_PROC_BIND": " FALSE ", "OMP_PLACES": "cores"}, []),  # binding off, whatever the others say
+    ({}, []),
+])
+def test_which_settings_make_openmp_pin(environ: dict[str, str], binds: list[str]) -> None:
+    assert openmp_binding(environ) == binds
+
+
+def test_the_backend_says_when_openmp_pinned_the_process(monkeypatch, caplog) -> None:
+    """The cores come from the first thread's mask, which libgomp narrowed as PyTorch loaded: say so."""
+    caplog.set_level(logging.WARNING, logger="agentserve.executor.partition.cpu_cores")
+    for name in OPENMP_BINDING_ENV:
+        monkeypatch.delenv(name, raising=False)
+    usable_cores()
+    assert not caplog.records
+    monkeypatch.setenv("OMP_PROC_BIND", "spread")
+    usable_cores()
+    assert "OMP_PROC_BIND=spread is set" in caplog.text
