@@ -222,13 +222,13 @@ def bench(ctx: click.Context, workload: str, agents: str | None, policies: str, 
     systems = [runner.TARGET] if target else system_names(policies)
     # Each AgentServe server steers by the SLO this benchmark measures (flags given later win).
     steer = ["--tpot-slo-ms", str(tpot_slo_ms), "--ttft-slo-ms", str(ttft_slo_ms)]
-    if keep_logs:
+    logs = Path(keep_logs) if keep_logs else None
+    if logs is not None:
         try:
-            Path(keep_logs).mkdir(parents=True, exist_ok=True)  # fail now, not after the first run
+            logs.mkdir(parents=True, exist_ok=True)  # fail now, not after the first run
         except OSError as e:
             raise click.BadParameter(str(e), param_hint="--keep-logs") from None
-    launch = runner.launcher(model, [*steer, *server_args], target, target_dialect, target_model,
-                             Path(keep_logs) if keep_logs else None)
+    launch = runner.launcher(model, [*steer, *server_args], target, target_dialect, target_model, logs)
     console = Console()
     if not console.is_terminal:  # a log file: room for a column per system
         console = Console(width=160)
