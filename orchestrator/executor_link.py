@@ -101,6 +101,7 @@ class ExecutorLink:
         self._reader: threading.Thread | None = None
         self._starter: threading.Thread | None = None
         self._cancel = threading.Event()
+        self._closing = threading.Event()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout: float = 600.0, progress: Callable[[float], None] | None = None) -> Ready:
@@ -132,7 +133,9 @@ class ExecutorLink:
         return self.ready
 
     def _start_reader(self) -> None:
-        self._reader = threading.Thread(target=self._read, args=(self.pair,), name="result-reader", daemon=True)
+        self._closing = threading.Event()  # set by stop(): a RingClosed after it is ours, not the executor's
+        self._reader = threading.Thread(target=self._read, args=(self.pair, self.proc, self._closing),
+                                        name="result-reader", daemon=True)
         self._reader.start()
 
     def restart(self, timeout: float = 600.0) -> None:
@@ -181,6 +184,7 @@ class ExecutorLink:
             self._starter = None
             self._cancel.clear()
         code = None
+        self._closing.set()  # from here a closed ring is this stop's doing, not the executor's
         if self.proc is not None:
             if self.proc.poll() is None and self.pair is not None:
                 try:
@@ -210,8 +214,15 @@ class ExecutorLink:
 
     # ---- traffic ----------------------------------------------------------------------------
     def send(self, msg: msgspec.Struct) -> None:
+        """Send ``msg``; if the executor is gone, drop it (the reader thread's ``ExecutorDown`` follows).
+
+        Raises ``MessageTooLarge`` for a message no ring slot holds (the executor is fine)."""
         assert self.pair is not None
-        self.pair.send(msg)
+        try:
+            self.pair.send(msg)
+        except (PeerDied, RingClosed) as e:
+            log.warning("could not send %s: %s", type(msg).__name__, e)
+            return
         if isinstance(msg, Plan):
             self.watch.sent(msg.step, self._clock())
 
@@ -238,14 +249,16 @@ class ExecutorLink:
                 self.watch.landed(msg, self._clock())
         return out
 
-    def _read(self, pair: RingPair) -> None:
+    def _read(self, pair: RingPair, proc: subprocess.Popen[bytes] | None, closing: threading.Event) -> None:
         while True:
             try:
                 msg: object = pair.recv()
             except PeerDied as e:
                 msg = ExecutorDown(self._hung_reason or f"executor died: {e}")
             except RingClosed:
-                return
+                if closing.is_set():  # stop() closed it
+                    return
+                msg = ExecutorDown(self._hung_reason or f"executor closed its rings and {_exited(proc)}")
             except ShmError as e:
                 msg = ExecutorDown(f"result ring failed: {e}")
             self._post(msg)
@@ -254,3 +267,14 @@ class ExecutorLink:
 
     def _post(self, msg: object) -> None:
         self.inbox.post(msg)
+
+
+def _exited(proc: subprocess.Popen[bytes] | None, wait_s: float = 2.0) -> str:
+    """How the executor ended, for the log: its exit code once it has exited, or that it has not."""
+    if proc is None:
+        return "was never started"
+    try:
+        code = proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        return f"has not exited after {wait_s:.0f} s"
+    return f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"

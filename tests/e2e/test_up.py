@@ -245,14 +245,16 @@ def test_closing_a_session_mid_turn_ends_its_stream(server: UpServer) -> None:
     sock.close()
 
 
-def test_executor_crash_is_reported_and_recovered(server: UpServer) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])  # SIGTERM: it exits by itself, closing its rings
+def test_executor_crash_is_reported_and_recovered(server: UpServer, sig: signal.Signals) -> None:
+    logged = len(server.logs())
     with AgentClient(server.endpoint) as client, client.session(system=SYSTEM) as s:
         first = s.turn("before the crash", max_tokens=4).collect()
         stream = s.turn("a long answer, please", max_tokens=400, ignore_eos=True)
         events = iter(stream)
         next(events)  # the turn is streaming
         t0 = time.monotonic()
-        os.kill(server.executor_pid(), signal.SIGKILL)
+        os.kill(server.executor_pid(), sig)
         with pytest.raises(ExecutorFailed):
             for _ in events:
                 pass
@@ -267,7 +269,8 @@ def test_executor_crash_is_reported_and_recovered(server: UpServer) -> None:
                 assert time.monotonic() < deadline
                 time.sleep(0.5)
         assert again.done is not None and len(again.token_ids) == 4 and first.done is not None
-    assert "restarting the executor" in server.logs() and "executor restarted: serving again" in server.logs()
+    after = server.logs()[logged:]
+    assert "restarting the executor" in after and "executor restarted: serving again" in after
 
 
 def test_sigterm_exits_zero_and_leaves_nothing(server: UpServer) -> None:

@@ -4,6 +4,7 @@ restart that is still loading (the loading process is killed, its rings removed)
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 import uuid
@@ -11,7 +12,8 @@ import uuid
 import pytest
 
 from agentserve.executor.builtin import resolve_model
-from agentserve.orchestrator.executor_link import ExecutorLink, ExecutorSpec, Restarted, RestartFailed
+from agentserve.orchestrator.executor_link import ExecutorDown, ExecutorLink, ExecutorSpec, Restarted, RestartFailed
+from agentserve.protocol.ring_messages import Release
 
 
 def _link() -> ExecutorLink:
@@ -86,3 +88,38 @@ def test_the_executor_starts_without_openmp_binding(monkeypatch) -> None:
     finally:
         link.close()
     assert not _ours(spec.run)
+
+
+def _drain_until(link: ExecutorLink, deadline_s: float) -> list[object]:
+    got: list[object] = []
+    deadline = time.monotonic() + deadline_s
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.05)
+        got = link.drain()
+    return got
+
+
+def test_an_executor_that_exits_by_itself_is_reported_down() -> None:
+    """On SIGTERM the executor closes its rings as it leaves: that is the executor going down, not our stop()."""
+    link = _link()
+    try:
+        link.start()
+        link.proc.send_signal(signal.SIGTERM)
+        got = _drain_until(link, 30)
+        assert len(got) == 1 and isinstance(got[0], ExecutorDown), got
+        assert "closed its rings" in got[0].reason and "exited with code" in got[0].reason, got[0].reason
+        link.send(Release([1]))  # the executor is gone: dropped, not raised (the ExecutorDown above says why)
+    finally:
+        link.close()
+    assert not _ours(link.spec.run)
+
+
+def test_stop_is_not_reported_as_the_executor_going_down() -> None:
+    link = _link()
+    link.start()
+    reader = link._reader
+    link.stop()
+    assert reader is not None and not reader.is_alive()
+    assert link.drain() == []
+    link.close()
+    assert not _ours(link.spec.run)
