@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from agentserve.gateway.backend import Backend, GatewayOptions
 from agentserve.gateway.chat import chat_completions
 from agentserve.gateway.completions import completions
-from agentserve.gateway.errors import APIError, unauthorized
+from agentserve.gateway.errors import APIError, bad_request, unauthorized
 from agentserve.gateway.info_routes import health, metrics, models
 from agentserve.gateway.tokenize_routes import detokenize, tokenize
 from agentserve.gateway.worker_routes import flush_cache, get_load, health_generate, model_info, server_info
@@ -54,6 +54,14 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind)
     return JSONResponse(error.body(), status_code=exc.status_code)
+
+
+async def _bad_value(request: Request, exc: Exception) -> JSONResponse:
+    """Input no check above caught that Python cannot take further: a 400, not a 500 that drops the connection."""
+    why = ("an integer in the request does not fit in 64 bits" if isinstance(exc, OverflowError)
+           else "the request is nested too deeply")
+    error = bad_request(why)
+    return JSONResponse(error.body(), status_code=400)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -128,7 +136,8 @@ def build_app(options: GatewayOptions) -> Starlette:
         finally:
             await backend.stop()
 
-    handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_error, Exception: _unexpected}
+    handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_error, OverflowError: _bad_value,
+                                RecursionError: _bad_value, Exception: _unexpected}
     table = routes()
     app = Starlette(routes=table, exception_handlers=handlers, lifespan=lifespan)
     app.state.backend = backend

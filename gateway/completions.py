@@ -125,7 +125,8 @@ async def completions(request: Request) -> Response:
     backend.check_model(req.model)
     if req.n != 1 or req.echo:
         raise bad_request("this server supports n=1 and no echo on /v1/completions")
-    options = sampling_options(req, req.max_tokens or 16, backend.options, welcome.max_model_len)
+    options = sampling_options(req, 16 if req.max_tokens is None else req.max_tokens, backend.options,
+                               welcome.max_model_len)
     options |= completion_options(req.logprobs)
     run = CompletionRun(backend, prompt_ids(req, backend), options)
     await run.start()

@@ -132,6 +132,8 @@ def decode_body(data: bytes, kind: type[B]) -> B:
         raise bad_request(f"invalid request: {e}", param=param) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("the body is nested too deeply", code="invalid_json") from None
 
 
 def _param_of(message: str) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -70,3 +72,31 @@ def test_sdk_sees_typed_errors_and_the_server_keeps_serving(openai_client) -> No
         openai_client.chat.completions.create(model="nope", messages=OK["messages"], max_tokens=2)
     r = openai_client.chat.completions.create(model="tiny", messages=OK["messages"], max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+
+_DEEP = "[" * 2000 + "]" * 2000
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", json.dumps(OK | {"seed": 2**64})),
+        ("/v1/chat/completions", json.dumps(OK | {"top_k": 2**64})),
+        ("/v1/chat/completions", json.dumps({"messages": [
+            {"role": "user", "content": "add"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "add", "arguments": '{"a": 123456789012345678901234567890}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "3"}], "max_tokens": 2})),
+        ("/v1/completions", json.dumps({"prompt": [2**64], "max_tokens": 2})),
+        ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 0})),
+        ("/v1/chat/completions", json.dumps(OK)[:-1] + ', "deep": ' + _DEEP + "}"),
+        ("/v1/chat/completions", json.dumps(OK)[:-1] + ', "tools": [{"type": "function", "function": {"name": "f", '
+         '"parameters": {"type": "object", "properties": {"x": ' + '{"items": ' * 990 + "{}" + "}" * 990 + "}}}}]}"),
+    ],
+)
+def test_out_of_range_or_too_deep_input_is_400_and_the_connection_lives(http, path, body) -> None:
+    """Integers past 64 bits and deep nesting once raised OverflowError / RecursionError: a 500 that dropped the
+    keep-alive connection."""
+    _error(http.post(path, content=body.encode(), headers={"content-type": "application/json"}), 400)
+    assert http.post("/v1/chat/completions", json=OK).status_code == 200  # the same client, the same connection
