@@ -13,6 +13,7 @@ from typing import Any
 
 from agentserve.gateway.errors import bad_request
 from agentserve.gateway.schemas import ChatMessage, ToolCallIn
+from agentserve.orchestrator.text.tool_calls import loads_model_json
 from agentserve.protocol.client_messages import Message
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -37,7 +38,7 @@ def arguments_value(call: ToolCallIn) -> dict[str, Any] | str:
     if isinstance(args, dict):
         return args
     try:
-        value = json.loads(args) if args.strip() else {}
+        value = loads_model_json(args) if args.strip() else {}
     except json.JSONDecodeError:
         return args
     return value if isinstance(value, dict) else args
@@ -61,7 +62,7 @@ def canonical_args(args: dict[str, Any] | str) -> str:
     """Arguments as the map compares them: an object as sorted JSON, anything else as written."""
     if isinstance(args, str):
         try:
-            value = json.loads(args)
+            value = loads_model_json(args)
         except json.JSONDecodeError:
             return args
         if not isinstance(value, dict):

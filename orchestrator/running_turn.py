@@ -97,7 +97,7 @@ class RunningTurn:
             for call in calls:
                 call_id = f"call_{uuid.uuid4().hex[:12]}"
                 events.append(ToolCallEvent(self.req, self.session, call_id, call.name, call.arguments, t, time.time()))
-            if calls:
+            if calls and finish != FinishReason.LENGTH:  # max_tokens may have cut a call short: say so
                 finish = FinishReason.TOOL_CALLS
         events.append(
             TurnDone(self.req, self.session, finish, self.usage(cached_tokens), self.timings(t), t, time.time())

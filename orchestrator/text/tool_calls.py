@@ -31,10 +31,27 @@ class ParsedToolCalls:
     errors: list[str] = field(default_factory=list)
 
 
+def _wire_int(text: str) -> int | float:
+    """A JSON integer as the client protocol (msgpack) can carry it: past 64 bits, a float (as JavaScript reads it)."""
+    if len(text) <= 20:  # longer ones never fit (and int() refuses past 4,300 digits)
+        value = int(text)
+        if -(2**63) <= value < 2**64:
+            return value
+    return float(text)
+
+
+def loads_model_json(text: str) -> Any:
+    """``json.loads`` for text a model wrote: integers the wire can carry; nesting too deep is a ``JSONDecodeError``."""
+    try:
+        return json.loads(text, parse_int=_wire_int)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
+
+
 def parse_call_body(body: str) -> ToolCall | str:
     """One block's JSON → a :class:`ToolCall`, or an error message."""
     try:
-        obj = json.loads(body)
+        obj = loads_model_json(body)
     except json.JSONDecodeError as e:
         return f"tool call is not valid JSON ({e.msg} at char {e.pos}): {body[:80]!r}"
     if not isinstance(obj, dict):
@@ -45,7 +62,7 @@ def parse_call_body(body: str) -> ToolCall | str:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models double-encode the arguments
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = loads_model_json(args) if args.strip() else {}
         except json.JSONDecodeError:
             return f"arguments of tool call {name!r} are a string that is not JSON"
     if not isinstance(args, dict):

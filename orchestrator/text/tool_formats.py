@@ -17,7 +17,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from agentserve.orchestrator.text.tool_calls import CLOSE, OPEN, ToolCall, parse_call_body
+from agentserve.orchestrator.text.tool_calls import CLOSE, OPEN, ToolCall, loads_model_json, parse_call_body
 
 # `{"name": "<string>", "arguments": ` at the start of a call's JSON (the order models are taught)
 _HEAD = r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
@@ -50,10 +50,18 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
+def _json_string(inner: str) -> str | None:
+    """The string a JSON string literal's inside (between its quotes) stands for; None if it is not valid JSON."""
+    try:
+        return json.loads(f'"{inner}"')
+    except json.JSONDecodeError:  # a bad escape or a raw control character the model wrote
+        return None
+
+
 def call_text(body: str, complete: bool) -> CallText:
     """A call's JSON ``body`` as far as it is written (``complete``: nothing more will come)."""
     head = _HEAD_RE.match(body)
-    name = json.loads(f'"{head.group(1)}"') if head else None
+    name = _json_string(head.group(1)) if head else None
     if not complete:
         if head is None:
             return CallText(None, "", False)
@@ -66,7 +74,7 @@ def call_text(body: str, complete: bool) -> CallText:
     rest = body[head.end():].rstrip()
     args = rest[:-1].rstrip() if rest.endswith("}") else rest
     try:
-        exact = json.loads(args) == call.arguments and name == call.name
+        exact = loads_model_json(args) == call.arguments and name == call.name
     except json.JSONDecodeError:
         exact = False
     return CallText(name, args if exact else call.arguments_json(), True, call, exact)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentserve.orchestrator.running_turn import RunningTurn
 from agentserve.orchestrator.text.stop_strings import StopStringMatcher, find_stop
 from agentserve.orchestrator.text.tokenization import Tokenizer
-from agentserve.protocol.client_messages import FinishReason
+from agentserve.protocol.client_messages import FinishReason, ToolCallEvent
 from agentserve.protocol.sampling import Finish
 
 
@@ -101,3 +102,18 @@ def test_a_turn_cut_at_a_stop_found_only_when_it_ends_finishes_with_stop(tiny_di
     assert turn.text == "x", "'PO' is held: it may still become 'POO'"
     *_, done = turn.finish(Finish.LENGTH, 1.0, 0)
     assert turn.text == "xP" and done.finish == FinishReason.STOP
+
+
+@pytest.mark.parametrize(("reason", "expected"),
+                         [(Finish.LENGTH, FinishReason.LENGTH), (Finish.STOP, FinishReason.TOOL_CALLS)])
+def test_a_turn_max_tokens_cut_inside_its_tool_calls_finishes_with_length(tiny_dir, reason, expected):
+    """The calls written so far are still reported, but a client must see that max_tokens ended the reply (the
+    last call may be cut short), as OpenAI's and the docs' ``length`` says."""
+    tok = Tokenizer.from_dir(tiny_dir)
+    turn = RunningTurn(1, 1, 1, tok, [], frozenset(), True, 0.0, [], [])
+    for token_id in tok.encode('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "ar',
+                               add_special_tokens=False):
+        turn.on_token(token_id, 0.0)
+    *calls, done = turn.finish(reason, 1.0, 0)
+    assert [c.name for c in calls if isinstance(c, ToolCallEvent)] == ["a"]
+    assert done.finish == expected

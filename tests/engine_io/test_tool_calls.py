@@ -51,3 +51,28 @@ def test_plain_text():
 def test_never_raises(text):
     r = parse_tool_calls(text)
     assert all(isinstance(c, ToolCall) and isinstance(c.arguments, dict) for c in r.calls)
+
+
+def test_what_a_model_may_write_never_raises_and_always_fits_the_wire():
+    """A name with a bad escape or a raw newline, integers past 64 bits (or past int()'s 4,300 digits) and nesting
+    deeper than the recursion limit once raised out of the parser (the turn ended `internal`, its reply lost)."""
+    import msgspec
+
+    from agentserve.orchestrator.text.tool_formats import HermesFormat, Llama3JsonFormat
+
+    texts = [
+        '<tool_call>{"name": "get\\_weather", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "a\nb", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": {"a": 123456789012345678901234567890, "b": -' + "9" * 5000 + '}}',
+        '<tool_call>{"name": "f", "arguments": {"x": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>",
+        '{"name": "get\\_weather", "parameters": {"n": 18446744073709551616}}',
+    ]
+    for fmt in (HermesFormat(), Llama3JsonFormat()):
+        for text in texts:
+            for end in range(0, len(text) + 1, max(1, len(text) // 50)):
+                fmt.scan(text[:end], final=False)
+            fmt.scan(text, final=True)
+            for call in fmt.parse(text):
+                msgspec.msgpack.encode(call.arguments)
+    (call,) = HermesFormat().parse(texts[2])
+    assert call.arguments["a"] == 1.2345678901234568e29 and call.arguments["b"] == float("-inf")
