@@ -154,6 +154,8 @@ async def stream(runs: list[ChoiceRun], plan: ChatPlan, head: dict[str, Any]) ->
             yield sse.event({**head, "choices": [], "usage": usage})
     except APIError as e:
         yield sse.event(e.body())
+    except Exception as e:  # noqa: BLE001 - the headers are sent: the client learns of it by an error event
+        yield sse.event(sse.server_error(e).body())
     finally:
         if metrics is not None:
             metrics.open_streams.inc(-1)

@@ -170,6 +170,8 @@ async def stream(run: CompletionRun, head: dict[str, Any], with_ids: bool, inclu
             yield sse.event({**head, "choices": [], "usage": usage_object([run.done.usage])})
     except APIError as e:
         yield sse.event(e.body())
+    except Exception as e:  # noqa: BLE001 - the headers are sent: the client learns of it by an error event
+        yield sse.event(sse.server_error(e).body())
     finally:
         run.abandon()
     yield sse.DONE
