@@ -38,7 +38,7 @@ class ChatPlan:
 
     def messages_after(self, k: int) -> list[Message]:
         """The messages after the first ``k`` (which a filed session already holds)."""
-        return self.translated.messages[k - (1 if self.translated.system else 0):]
+        return self.translated.messages[k - self.translated.leading:]
 
     @property
     def logprobs(self) -> bool:

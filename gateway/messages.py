@@ -77,6 +77,11 @@ class Translated:
     messages: list[Message]  # everything after it, in the orchestrator's shape
     canonical: list[Canonical]  # every message, the system prompt included
 
+    @property
+    def leading(self) -> int:
+        """How many of the request's messages became the system prompt (0 or 1; an empty one counts)."""
+        return len(self.canonical) - len(self.messages)
+
 
 def translate(messages: list[ChatMessage]) -> Translated:
     if not messages:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 SYSTEM = {"role": "system", "content": "You are an agent."}
 
 
@@ -9,8 +11,11 @@ def _turns(snapshot) -> tuple[int, int]:
     return len(snapshot.sessions), sum(row.turn for row in snapshot.sessions)
 
 
-def test_a_resent_conversation_is_a_turn_on_the_same_session(openai_client, http_server) -> None:
-    first = [SYSTEM, {"role": "user", "content": "Plan the trip."}]
+@pytest.mark.parametrize("system", [[SYSTEM], [{"role": "system", "content": ""}], []], ids=["system", "empty", "none"])
+def test_a_resent_conversation_is_a_turn_on_the_same_session(openai_client, http_server, system) -> None:
+    """An empty system message counts as one of the messages the session holds (it once shifted the count by
+    one: the first new message was dropped, or the turn refused for having none)."""
+    first = [*system, {"role": "user", "content": "Plan the trip."}]
     r1 = openai_client.chat.completions.create(model="tiny", messages=first, max_tokens=6, temperature=0)
     sessions, turns = _turns(http_server.snapshot())
     reply = {"role": "assistant", "content": r1.choices[0].message.content}
