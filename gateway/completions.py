@@ -7,6 +7,7 @@ legacy logprobs object; its ``text_offset`` counts from the completion's start.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -128,7 +129,8 @@ async def completions(request: Request) -> Response:
     options = sampling_options(req, 16 if req.max_tokens is None else req.max_tokens, backend.options,
                                welcome.max_model_len)
     options |= completion_options(req.logprobs)
-    run = CompletionRun(backend, prompt_ids(req, backend), options)
+    ids = await asyncio.to_thread(prompt_ids, req, backend)  # megabytes take seconds: not on the event loop
+    run = CompletionRun(backend, ids, options)
     await run.start()
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": backend.model_name}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -11,6 +13,7 @@ from agentserve.gateway.errors import bad_request
 from agentserve.gateway.messages import translate
 from agentserve.gateway.schemas import DetokenizeRequest, TokenizeRequest, decode_body
 from agentserve.orchestrator.text.chat_template import ChatTemplateError
+from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.client_messages import Message
 
 
@@ -21,16 +24,19 @@ async def tokenize(request: Request) -> Response:
     backend.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give `prompt` or `messages`")
-    if req.prompt is not None:
-        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    else:
-        t = translate(req.messages or [])
-        head = [Message("system", t.system)] if t.system else []
-        try:
-            ids = tokenizer.encode_chat([m.as_dict() for m in head + t.messages], None, req.add_generation_prompt)
-        except ChatTemplateError as e:
-            raise bad_request(f"cannot render the conversation: {e}", param="messages") from None
+    ids = await asyncio.to_thread(_token_ids, req, tokenizer)  # megabytes take seconds: not on the event loop
     return JSONResponse({"count": len(ids), "max_model_len": welcome.max_model_len, "tokens": ids})
+
+
+def _token_ids(req: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
+    if req.prompt is not None:
+        return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    t = translate(req.messages or [])
+    head = [Message("system", t.system)] if t.system else []
+    try:
+        return tokenizer.encode_chat([m.as_dict() for m in head + t.messages], None, req.add_generation_prompt)
+    except ChatTemplateError as e:
+        raise bad_request(f"cannot render the conversation: {e}", param="messages") from None
 
 
 async def detokenize(request: Request) -> Response:

@@ -55,3 +55,29 @@ def test_bad_prompts_are_400(openai_client, prompt) -> None:
 
 def test_out_of_vocabulary_ids_are_400(http) -> None:
     assert http.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 2}).status_code == 400
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/completions"])
+def test_tokenizing_megabytes_does_not_stall_the_other_requests(http_server, path) -> None:
+    """Tokenizing runs off the event loop: a prompt of megabytes (seconds of work) holds up only its own request."""
+    import threading
+    import time
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {http_server.api_key}"}
+    big = {"prompt": "many words " * 300_000, "max_tokens": 1}  # 3.3 MB: far past the context, refused after
+    done = threading.Event()
+
+    def post() -> None:
+        httpx.post(http_server.url + path, json=big, headers=headers, timeout=120)
+        done.set()
+
+    threading.Thread(target=post, daemon=True).start()
+    time.sleep(1.0)  # the body is in and being tokenized
+    t0 = time.monotonic()
+    assert httpx.get(http_server.url + "/health", timeout=60).status_code == 200
+    waited = time.monotonic() - t0
+    if not done.is_set():  # still tokenizing: the health check must not have waited for it
+        assert waited < 1.0, f"/health took {waited:.1f} s while a prompt was tokenized"
+    assert done.wait(120)
