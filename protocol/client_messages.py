@@ -91,6 +91,11 @@ class Message(WireStruct):
             out["tool_calls"] = self.tool_calls
         return out
 
+    def text_bytes(self) -> int:
+        """What the chat template renders of it, in bytes: the content and the tool calls (as JSON)."""
+        calls = len(msgspec.json.encode(self.tool_calls)) if self.tool_calls else 0
+        return len(self.content.encode()) + calls
+
 
 class SessionOptions(WireStruct, frozen=True):
     name: str = ""  # a label shown by `agentserve top`

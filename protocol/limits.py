@@ -93,5 +93,7 @@ def _check_turn(msg: Turn, limits: Limits) -> None:
     _check(msg, "max_stop_bytes", longest_stop, limits.max_stop_bytes, "bytes in a stop string")
     longest_name = max((len(m.name.encode()) + len(m.tool_call_id.encode()) for m in msg.messages), default=0)
     _check(msg, "max_name_bytes", longest_name, limits.max_name_bytes, "message name + tool_call_id bytes")
-    text = sum(len(m.content.encode()) for m in msg.messages)
-    _check(msg, "max_text_bytes", text, limits.max_text_bytes, "message text bytes")
+    calls = [m.tool_calls for m in msg.messages if m.tool_calls]
+    _check(msg, "max_nesting", nesting(calls, limits.max_nesting), limits.max_nesting, "tool call nesting")
+    text = sum(m.text_bytes() for m in msg.messages)
+    _check(msg, "max_text_bytes", text, limits.max_text_bytes, "message text bytes (content and tool calls)")

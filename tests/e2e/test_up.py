@@ -218,6 +218,12 @@ def test_bad_input_gets_typed_errors_and_server_keeps_serving(server: UpServer) 
                 ev = decode(msg)
                 codes.add(getattr(ev, "code", None))
         assert ErrorCode.TURN_IN_PROGRESS in codes
+        # req 0 once read as "no turn running": a second turn beside it broke the scheduler (internal, twice)
+        sock.send(encode(Turn(req=0, session=opened.session, token_ids=[4], max_tokens=2)))
+        while not (reply := sock.recv()) or not hasattr(decode(reply), "code"):
+            pass
+        err = decode(reply)
+        assert err.code == ErrorCode.INVALID_REQUEST and "positive" in err.message, err
         sock.close()
         assert len(s.turn(token_ids=[7, 8], max_tokens=3).collect().token_ids) == 3
 

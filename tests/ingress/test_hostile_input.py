@@ -107,11 +107,22 @@ def _turn(**kw) -> Turn:
     return Turn(req=3, session=1, **({"token_ids": [1]} | kw))
 
 
+def _deep(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 OVER = {
     "max_stop_strings": _turn(stop=["x"] * 5),
     "max_stop_bytes": _turn(stop=["x" * 257]),
     "max_messages": Turn(req=3, session=1, messages=[Message("user", "x")] * 1025),
     "max_text_bytes": Turn(req=3, session=1, messages=[Message("user", "é" * 1025)]),
+    "tool-call max_text_bytes": Turn(req=3, session=1, messages=[Message("assistant", "", tool_calls=[
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": "y" * 2048}}}])]),
+    "tool-call max_nesting": Turn(req=3, session=1, messages=[Message("assistant", "", tool_calls=[
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": _deep(64)}}}])]),
     "max_name_bytes": Turn(req=3, session=1, messages=[Message("tool", "x", tool_call_id="c" * 300)]),
     "max_token_ids": _turn(token_ids=[1] * (2**20 + 1)),
     "max_tools": OpenSession(req=3, version=PROTOCOL_VERSION, tools=[{}] * 257),
