@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.client_messages import ErrorCode, ProtocolError, Turn
 
@@ -57,6 +59,17 @@ class Conversation:
             # split UTF-8 character, need not give them back); tokenize only what is new.
             return self.tokens + self._encode(text[len(self.exact_text) :]), messages
         return self._encode(text), messages
+
+    def text_to_tokenize(self, turn: Turn) -> int:
+        """About how many bytes of text :meth:`prompt_for` tokenizes for ``turn`` (the rule for doing it off the
+        loop): the new messages, and the system prompt, tools and history too while nothing exact is cached."""
+        new = sum(m.text_bytes() for m in turn.messages)
+        if turn.token_ids:
+            return 0 if self.tokens else len(self.system.encode()) + len(msgspec.json.encode(self.tools))
+        if self.exact_text is not None:
+            return new
+        history = len(msgspec.json.encode(self.messages)) if self.messages else 0
+        return new + history + len(self.system.encode()) + (len(msgspec.json.encode(self.tools)) if self.tools else 0)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -351,7 +351,7 @@ class Server:
         rec = self.sessions.idle(client, msg.session, msg.req)
         self._check_turn(rec, msg)
         arrival = self.clock()
-        if sum(m.text_bytes() for m in msg.messages) > self.options.limits.clients.tokenize_inline_bytes:
+        if rec.conversation.text_to_tokenize(msg) > self.options.limits.clients.tokenize_inline_bytes:
             rec.preparing = msg.req
             self.worker.submit(("turn", rec.session, msg, arrival), partial(rec.conversation.prompt_for, msg))
             return

@@ -61,3 +61,17 @@ def test_raw_mode_starts_after_the_system_prompt_and_keeps_output(tok: Tokenizer
     assert nxt == system + [5, 6, 7, 8, 9]
     with pytest.raises(ProtocolError, match="cannot mix"):
         conv.prompt_for(_turn(("user", "hi")))
+
+
+def test_the_text_a_turn_tokenizes_counts_what_is_not_cached_exactly(tok: Tokenizer) -> None:
+    """The off-the-loop rule's measure: a 100 kB system prompt is tokenized with the first turn (and with every
+    turn while nothing exact is cached), the tool calls of a message too; after an exact commit only the new text."""
+    conv = Conversation(tok, system="s" * 100_000)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": "y" * 1000}}}
+    first = Turn(req=1, session=1, messages=[Message("user", "hi"), Message("assistant", "", tool_calls=[call])])
+    assert conv.text_to_tokenize(first) > 101_000
+    prompt, messages = conv.prompt_for(_turn(("user", "hi")))
+    conv.commit(False, prompt, messages, tok.encode("ok", add_special_tokens=False), "ok", exact=True)
+    assert conv.text_to_tokenize(_turn(("user", "more"))) == 4
+    raw = Conversation(tok, system="s" * 100_000)
+    assert raw.text_to_tokenize(_turn(token_ids=[1, 2])) >= 100_000
