@@ -102,6 +102,7 @@ class ExecutorLink:
         self._starter: threading.Thread | None = None
         self._cancel = threading.Event()
         self._closing = threading.Event()
+        self._heard = float("-inf")  # when the reader thread last received a message (drained or not)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout: float = 600.0, progress: Callable[[float], None] | None = None) -> Ready:
@@ -230,7 +231,10 @@ class ExecutorLink:
         """Kill the executor if it hangs (its ``ExecutorDown`` follows through :meth:`drain`); say why."""
         if self._hung_reason is not None or self.proc is None:
             return None
-        reason = self.watch.hung(self._clock())  # first: runs every loop pass, costs no system call
+        now = self._clock()
+        reason = self.watch.hung(now)  # first: runs every loop pass, costs no system call
+        if reason is not None and now - self._heard <= self.watch.bound_s():
+            return None  # results came in while the loop was busy elsewhere; they wait in the inbox
         if reason is not None and self.proc.poll() is None:
             log.error("%s; killing it (pid %d)", reason, self.proc.pid)
             self._hung_reason = reason
@@ -253,6 +257,7 @@ class ExecutorLink:
         while True:
             try:
                 msg: object = pair.recv()
+                self._heard = self._clock()
             except PeerDied as e:
                 msg = ExecutorDown(self._hung_reason or f"executor died: {e}")
             except RingClosed:

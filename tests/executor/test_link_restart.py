@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 
@@ -123,3 +124,20 @@ def test_stop_is_not_reported_as_the_executor_going_down() -> None:
     assert link.drain() == []
     link.close()
     assert not _ours(link.spec.run)
+
+
+def test_results_waiting_in_the_inbox_are_not_a_hang() -> None:
+    """The loop may be busy for longer than the hang bound (tokenising a huge prompt): results the reader thread
+    received meanwhile, not yet drained, show the executor is alive, so it is not killed."""
+    now = [100.0]
+    link = ExecutorLink(ExecutorSpec("unused", "unused", []), clock=lambda: now[0])
+    killed: list[bool] = []
+    link.proc = SimpleNamespace(poll=lambda: None, kill=lambda: killed.append(True), pid=1)
+    link.watch.sent(1, now[0])
+    now[0] += 60.0
+    link._heard = now[0] - 1.0  # a result came in a second ago and waits to be drained
+    assert link.check_hung() is None and not killed
+    link._heard = 100.0  # nothing heard since the plan went out
+    assert link.check_hung() is not None and killed
+    link.proc = None
+    link.close()
