@@ -19,7 +19,7 @@ from agentserve.orchestrator.text.grammar import (
 )
 from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.client_messages import ErrorCode, ProtocolError, Turn
-from agentserve.protocol.sampling import SamplingParams
+from agentserve.protocol.sampling import MAX_GRAMMAR_BYTES, SamplingParams
 
 UNCONSTRAINED_CHOICES = ("", "auto", "none")
 
@@ -38,6 +38,10 @@ def grammar_for(turn: Turn, tools: list[dict[str, Any]], tokenizer: Tokenizer, v
     else:
         tagged = tokenizer.token_to_id("<tool_call>") is not None and tokenizer.token_to_id("</tool_call>") is not None
         grammar = tool_call_grammar(tokenizer.tool_call_format, tools, c.tool_choice, c.parallel_tool_calls, tagged)
+    size = len(grammar.encode())
+    if size > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the constraint's grammar is {size} bytes, more than the {MAX_GRAMMAR_BYTES} one step "
+                           "carries: fewer or smaller tool schemas, or a smaller JSON schema")
     if tokenizer.folder is not None:
         eos = tuple(tokenizer.eos_token_ids)
         check(grammar, ll_tokenizer(str(tokenizer.folder / "tokenizer.json"), vocab_size or None, eos))

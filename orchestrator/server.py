@@ -70,8 +70,9 @@ from agentserve.protocol.client_messages import (
     Turn,
     TurnDone,
 )
-from agentserve.protocol.ring_messages import ExecError, Ready, Result
+from agentserve.protocol.ring_messages import ExecError, Plan, Ready, Result
 from agentserve.protocol.sampling import Finish
+from agentserve.shm.errors import MessageTooLarge
 
 log = logging.getLogger("agentserve.orchestrator")
 
@@ -171,7 +172,13 @@ class Server:
             self._on_client(client, msg)
         self._emit(self.sched.take_events())
         for msg in self.sched.schedule():  # while restarting: an empty scheduler, turns refused, nothing to send
-            self.link.send(msg)
+            try:
+                self.link.send(msg)
+            except MessageTooLarge as e:
+                if not isinstance(msg, Plan):
+                    raise
+                log.error("step %d cannot be sent: %s", msg.step, e)  # its turns fail; the server goes on
+                self._emit(self.sched.on_error(ExecError(f"the step's plan is too large to send: {e}", step=msg.step)))
         self.link.check_hung()  # a hung executor is killed: its ExecutorDown arrives with the next drain
         now = self.clock()
         if now >= self._next_stats:

@@ -13,7 +13,7 @@ from typing import Protocol
 from agentserve.orchestrator.scheduler.request import Phase, ReqState, Request
 from agentserve.protocol.lanes import Lane
 from agentserve.protocol.ring_messages import SeqPlan
-from agentserve.protocol.sampling import SamplingParams
+from agentserve.protocol.sampling import MAX_GRAMMAR_BYTES, SamplingParams
 
 # One sequence of a planned step, as the scheduler needs it when the step's result lands:
 # (request, tokens fed (at least 1), the step samples a token for it, fed one decode token).
@@ -32,7 +32,7 @@ class BatchHost(Protocol):
 class Batch:
     __slots__ = (
         "host", "lane", "max_seqs", "now", "block_size", "entries", "seqs", "in_batch", "num_decode",
-        "num_prefill_tokens", "blocked",
+        "num_prefill_tokens", "blocked", "grammar_bytes",
     )  # fmt: skip
 
     def __init__(self, host: BatchHost, lane: Lane, max_seqs: int, now: float, block_size: int) -> None:
@@ -44,6 +44,7 @@ class Batch:
         self.num_decode = 0
         self.num_prefill_tokens = 0
         self.blocked = False  # an admission failed for lack of blocks
+        self.grammar_bytes = 0  # grammar text this step's plan carries (sent once per admission)
 
     @property
     def full(self) -> bool:
@@ -72,6 +73,8 @@ class Batch:
         """Add up to ``max_tokens`` prompt tokens of ``req`` (admitting it); return how many."""
         if self.full or max_tokens <= 0 or req.inflight or req.seq_id in self.in_batch:
             return 0
+        if self.seqs and self.grammar_bytes + _grammar_bytes(req) > MAX_GRAMMAR_BYTES:
+            return 0  # its grammar goes in a later step's plan: one ring slot holds a plan
         if req.state is ReqState.WAITING and not self.host.admit(req, self):
             return 0
         if req.state is not ReqState.PREFILL or (phase is not None and req.phase is not phase):
@@ -91,7 +94,15 @@ class Batch:
         req.blocks_sent = len(table)
         sampling = None
         if not req.sampling_sent:
+            self.grammar_bytes += _grammar_bytes(req)
             sampling, req.sampling_sent = self.host.sampling_for(req), True
         self.seqs.append(SeqPlan(req.seq_id, token_ids, start, new_blocks, sample, sampling))
         self.entries.append((req, len(token_ids) or 1, sample, decode))
         self.in_batch.add(req.seq_id)
+
+
+def _grammar_bytes(req: Request) -> int:
+    """The grammar text ``req``'s next plan carries: its grammar and the output tokens it has already seen."""
+    if req.sampling_sent or not req.sampling.grammar:
+        return 0
+    return len(req.sampling.grammar.encode()) + 5 * req.num_output

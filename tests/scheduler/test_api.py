@@ -621,3 +621,26 @@ def test_a_failed_step_with_a_plan_queued_behind_it_ends_once_and_frees_after_bo
     assert [m for m in d.sched.schedule(d.now) if isinstance(m, Release)] == [Release([seq])]
     d.sched.check()
     assert plans and d.sched.on_result(behind, d.now) == [], "a result of no tracked plan is ignored"
+
+
+def test_a_step_starts_constrained_sequences_only_while_their_grammars_fit_one_plan() -> None:
+    """A plan travels in one ring slot: three sequences with 30 kB grammars start over several steps (each plan
+    carries at most MAX_GRAMMAR_BYTES of grammar, or one grammar), and every one of them still runs to the end."""
+    from agentserve.protocol.sampling import MAX_GRAMMAR_BYTES
+
+    d = Driver()
+    grammar = "g" * 30_000
+    seqs = [d.sched.submit(d.sched.open_session(), list(range(10, 30)), SamplingParams(max_tokens=2, grammar=grammar))
+            for _ in range(3)]
+    sent: dict[int, int] = {}
+    for _ in range(200):
+        for plan in d.pump():
+            grammars = [sp for sp in plan.seqs if sp.sampling is not None and sp.sampling.grammar]
+            assert len(grammars) <= 1 or sum(len(sp.sampling.grammar) for sp in grammars) <= MAX_GRAMMAR_BYTES
+            for sp in grammars:
+                sent[sp.seq_id] = sent.get(sp.seq_id, 0) + 1
+        if not d.pending:
+            break
+        d.land()
+    assert sent == {s: 1 for s in seqs}
+    assert all(any(e.seq_id == s and e.finished for e in d.events) for s in seqs)

@@ -56,3 +56,42 @@ def test_a_turn_a_stop_string_completed_ends_normally_though_a_step_queued_behin
         got = s.turn("spell", max_tokens=8, ignore_eos=True, stop=["B"]).collect()
         assert got.text == "A" and got.done is not None and got.done.finish == "stop"
     assert link.failed_steps, "the plan queued behind the stop was sent and failed"
+
+
+def test_a_grammar_larger_than_a_step_carries_is_invalid_request(served) -> None:
+    """A JSON schema within its character bound can compile to a grammar larger than a ring slot (CJK text is three
+    bytes a character): refused up front, never sent (it once stopped the server)."""
+    import json
+
+    from agentserve.client import InvalidRequest
+    from agentserve.protocol.client_messages import Constraint
+
+    schema = {"type": "object", "properties": {f"键{i}" + "名" * 2000: {"type": "string"} for i in range(10)}}
+    endpoint, _, _ = served
+    with AgentClient(endpoint) as client, client.session(system="sys") as s:
+        with pytest.raises(InvalidRequest, match="grammar is .* bytes"):
+            constraint = Constraint(json_schema=json.dumps(schema, ensure_ascii=False))
+            s.turn("fill it", max_tokens=4, constraint=constraint).collect()
+        assert s.turn("still here", max_tokens=2, ignore_eos=True).collect().token_ids == [TOKEN] * 2
+
+
+def test_a_plan_no_ring_slot_holds_fails_its_turns_and_the_server_goes_on(served, monkeypatch) -> None:
+    from agentserve.protocol.ring_messages import Plan
+    from agentserve.shm.errors import MessageTooLarge
+
+    endpoint, link, server = served
+    real = link.send
+    refused: list[int] = []
+
+    def send(msg: object) -> None:
+        if isinstance(msg, Plan) and not refused:
+            refused.append(msg.step)
+            raise MessageTooLarge(200_000, 131_072)
+        real(msg)
+
+    monkeypatch.setattr(link, "send", send)
+    with AgentClient(endpoint) as client, client.session(system="sys") as s:
+        with pytest.raises(ExecutorFailed, match="too large to send"):
+            s.turn("hello", max_tokens=3, ignore_eos=True).collect()
+        assert s.turn("again", max_tokens=2, ignore_eos=True).collect().token_ids == [TOKEN] * 2
+    assert refused and server.sched.counters["failed"] == 1
