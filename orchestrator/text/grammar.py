@@ -39,7 +39,7 @@ def ll_tokenizer(tokenizer_json: str, vocab_size: int | None, eos_ids: tuple[int
 def _schema_grammar(schema: dict[str, Any]) -> str:
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except (ValueError, TypeError, RuntimeError) as e:
+    except (ValueError, TypeError, RuntimeError) as e:  # RecursionError is a RuntimeError
         raise GrammarError(f"the JSON schema cannot be compiled: {e}") from None
 
 
@@ -50,13 +50,26 @@ def json_schema_grammar(schema_text: str) -> str:
         schema = json.loads(schema_text)
     except json.JSONDecodeError as e:
         raise GrammarError(f"the JSON schema is not JSON: {e}") from None
+    except RecursionError:
+        raise GrammarError("the JSON schema is nested too deeply") from None
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
     return _schema_grammar(schema)
 
 
+def tool_function(tool: Any) -> dict[str, Any]:
+    """A session tool's function (OpenAI's ``{"type": "function", "function": {...}}`` or the function itself), with
+    a string ``name`` and an object (or no) ``parameters``; ``GrammarError`` for any other shape."""
+    fn = tool.get("function", tool) if isinstance(tool, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise GrammarError(f"a tool must be a function with a name to force calls to it: {str(tool)[:80]}")
+    if not isinstance(fn.get("parameters") or {}, dict):
+        raise GrammarError(f"the parameters of tool {fn['name']!r} must be a JSON schema object")
+    return fn
+
+
 def call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
-    fn = tool.get("function", tool)
+    fn = tool_function(tool)
     params = fn.get("parameters") or {"type": "object", "properties": {}}
     return {"type": "object", "properties": {"name": {"const": fn["name"]}, arguments_key: params},
             "required": ["name", arguments_key], "additionalProperties": False}
@@ -66,7 +79,7 @@ def tool_call_grammar(fmt: ToolCallFormat, tools: list[dict[str, Any]], choice: 
                       tags_are_tokens: bool = True) -> str:
     """``choice``: ``required`` (any of ``tools``) or the name of one tool.  ``tags_are_tokens``: the
     tokenizer has ``<tool_call>`` / ``</tool_call>`` as tokens of their own (the model writes those)."""
-    names = [t.get("function", t).get("name") for t in tools]
+    names = [tool_function(t)["name"] for t in tools]
     if choice != "required" and choice not in names:
         raise GrammarError(f"tool_choice names `{choice}`, which is not among the session's tools {names}")
     if not tools:

@@ -14,8 +14,9 @@ from agentserve.executor.grammar import GrammarMasks, mask_logits
 from agentserve.executor.runner import ModelRunner
 from agentserve.executor.sequences import SequenceTable
 from agentserve.executor.step import StepExecutor
-from agentserve.orchestrator.text.grammar import json_schema_grammar
+from agentserve.orchestrator.text.grammar import GrammarError, json_schema_grammar, tool_call_grammar
 from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.orchestrator.text.tool_formats import HermesFormat
 from agentserve.protocol.lanes import Lane
 from agentserve.protocol.ring_messages import Plan, SeqPlan
 from agentserve.protocol.sampling import Finish, SamplingParams
@@ -78,3 +79,16 @@ def test_mask_logits_leaves_unconstrained_rows_alone() -> None:
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     tok = Tokenizer.from_dir(model)
     assert allowed and all(tok.decode([t]).strip("-0123456789") == "" for t in allowed)
+
+
+@pytest.mark.parametrize("tools", [[{"function": "x"}], [{"type": "function", "function": {"description": "d"}}],
+                                   [{"name": "f", "parameters": [1]}], ["f"]])
+def test_badly_shaped_tools_are_a_grammar_error(tools) -> None:
+    """Once AttributeError / KeyError: the client got `internal` instead of `invalid_request`."""
+    with pytest.raises(GrammarError):
+        tool_call_grammar(HermesFormat(), tools, "required", True)
+
+
+def test_a_schema_nested_past_the_recursion_limit_is_a_grammar_error() -> None:
+    with pytest.raises(GrammarError, match="nested too deeply"):
+        json_schema_grammar("[" * 60_000)
