@@ -98,6 +98,13 @@ class AsyncAgentClient(ClientBase):
             self._sent_epoch[msg.req] = self._link.epoch
         await self._sock.send(self._link.codec.encode(msg))
 
+    def _send_nowait(self, msg: Any) -> None:
+        """Send ``msg`` if the socket takes it now, expecting no reply; never raises, never waits (best effort:
+        also from a cancelled task)."""
+        with contextlib.suppress(Exception):
+            sent = self._sock.send(self._link.codec.encode(msg), zmq.NOBLOCK)
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # an error is retrieved, not logged
+
     async def _recv(self, req: int, timeout: float) -> Any:
         try:
             event = await asyncio.wait_for(self._queues[req].get(), timeout)
@@ -201,14 +208,27 @@ class AsyncTurnStream(TurnCore):
             if self._prev is not None:
                 await self._prev.close()
                 self._prev = None
-            await self.session.client._send(request)
+            try:
+                await self.session.client._send(request)
+            except BaseException:
+                self.session._state.turn_failed()
+                raise
 
     async def __aiter__(self) -> AsyncIterator[TurnEvent]:
         client = self.session.client
         await self._start()
         while not self.finished:
             try:
-                events = self.accept(await client._recv(self.req, client.event_timeout))
+                try:
+                    wire_event = await client._recv(self.req, client.event_timeout)
+                except BaseException:  # a timeout, a lost server, a cancelled task: the turn may still run there
+                    client._send_nowait(Abort(client._next_req(), self.session.id, self.req))
+                    raise
+                try:
+                    events = self.accept(wire_event)
+                except AgentServeError:  # the server ended the turn with an error and kept nothing of it
+                    self.session._state.turn_failed()
+                    raise
             except BaseException:
                 self.finished = True
                 raise

@@ -64,6 +64,7 @@ class SessionState:
     def __init__(self, session_id: int) -> None:
         self.id = session_id
         self.pending: list[Message] = []
+        self.carried: list[Message] = []  # the tool results the latest turn carries, until the server commits it
         self.closed = False
 
     def tool_result(self, call_id: str, content: Any, name: str = "") -> None:
@@ -92,8 +93,12 @@ class SessionState:
             stop=list(stop or ()),
             **sampling,
         )
-        self.pending = []
+        self.carried, self.pending = self.pending, []
         return turn
+
+    def turn_failed(self) -> None:
+        """The latest turn ended in an error (the server keeps no part of it): its tool results wait again."""
+        self.pending, self.carried = self.carried + self.pending, []
 
 
 class ReqCounter:

@@ -7,6 +7,7 @@ being read yet wait in its inbox.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -72,6 +73,11 @@ class AgentClient(ClientBase):
         if expect_reply:
             self._sent_epoch[msg.req] = self._link.epoch
             self._inbox[msg.req] = deque()
+
+    def _send_nowait(self, msg: Any) -> None:
+        """Send ``msg`` if the socket takes it now, expecting no reply; never raises (best effort)."""
+        with contextlib.suppress(Exception):
+            self._sock.send(self._link.codec.encode(msg), zmq.NOBLOCK)
 
     def _drain_socket(self) -> None:
         while True:
@@ -157,7 +163,12 @@ class Session(SessionBase):
         if self._active is not None:
             self._active.close()
         req = self.client._next_req()
-        self.client._send(self._state.turn_request(req, messages, **options))
+        request = self._state.turn_request(req, messages, **options)
+        try:
+            self.client._send(request)
+        except BaseException:
+            self._state.turn_failed()
+            raise
         self._active = TurnStream(self, req)
         return self._active
 
@@ -190,7 +201,16 @@ class TurnStream(TurnCore):
         client = self.session.client
         while not self.finished:
             try:
-                events = self.accept(client._recv(self.req, client.event_timeout))
+                try:
+                    wire_event = client._recv(self.req, client.event_timeout)
+                except BaseException:  # a timeout, a lost server, Ctrl-C: the turn may still run there
+                    client._send_nowait(Abort(client._next_req(), self.session.id, self.req))
+                    raise
+                try:
+                    events = self.accept(wire_event)
+                except AgentServeError:  # the server ended the turn with an error and kept nothing of it
+                    self.session._state.turn_failed()
+                    raise
             except BaseException:
                 self.finished = True
                 raise

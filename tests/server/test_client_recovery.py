@@ -1,0 +1,72 @@
+"""The SDKs against a real server loop (fake executor): a stream given up on the client side (Ctrl-C, a timeout, a
+cancelled task) stops its turn on the server too, and tool results a failed turn carried are sent again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from server_harness import TOKEN, serving
+
+from agentserve.client import AgentClient, AsyncAgentClient, ExecutorFailed
+
+
+@pytest.fixture()
+def slow(tmp_path):
+    """Each plan takes 5 ms on the fake executor: a turn of 2,000 tokens runs for about ten seconds."""
+    with serving(tmp_path) as (endpoint, link, server):
+        real = link.send
+
+        def send(msg: object) -> None:
+            time.sleep(0.005)
+            real(msg)
+
+        link.send = send
+        yield endpoint, link, server
+
+
+def test_a_stream_interrupted_on_the_client_stops_its_turn(slow, monkeypatch) -> None:
+    endpoint, _, _ = slow
+    with AgentClient(endpoint) as client, client.session(system="sys") as s:
+        stream = s.turn("a long one", max_tokens=2000, ignore_eos=True)
+        real, calls = client._recv, [0]
+
+        def interrupted(req: int, timeout: float):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise KeyboardInterrupt
+            return real(req, timeout)
+
+        monkeypatch.setattr(client, "_recv", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            stream.collect()
+        monkeypatch.setattr(client, "_recv", real)
+        # the turn was stopped, so the session takes the next one (it once answered turn_in_progress)
+        assert s.turn("next", max_tokens=2, ignore_eos=True).collect().token_ids == [TOKEN] * 2
+
+
+def test_a_cancelled_async_stream_stops_its_turn(slow) -> None:
+    endpoint, _, _ = slow
+
+    async def run() -> list[int]:
+        async with AsyncAgentClient(endpoint) as client, await client.session(system="sys") as s:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(s.turn("a long one", max_tokens=2000, ignore_eos=True).collect(), 0.2)
+            return (await s.turn("next", max_tokens=2, ignore_eos=True).collect()).token_ids
+
+    assert asyncio.run(run()) == [TOKEN] * 2
+
+
+def test_tool_results_a_failed_turn_carried_go_with_the_retry(tmp_path) -> None:
+    with serving(tmp_path) as (endpoint, link, server), AgentClient(endpoint) as client, \
+            client.session(system="sys") as s:
+        s.turn("call a tool", max_tokens=2, ignore_eos=True).collect()
+        s.tool_result("call_1", "42", name="lookup")
+        link.failing = True
+        with pytest.raises(ExecutorFailed):
+            s.turn(max_tokens=2, ignore_eos=True).collect()
+        link.failing = False
+        s.turn(max_tokens=2, ignore_eos=True).collect()  # once an empty turn: invalid_request
+        (rec,) = server.sessions.values()
+        assert [m["content"] for m in rec.conversation.messages if m["role"] == "tool"] == ["42"]
