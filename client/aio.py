@@ -197,7 +197,7 @@ class AsyncSession(SessionBase):
 
 class AsyncTurnStream(TurnCore):
     def __init__(self, session: AsyncSession, req: int, request: Any, prev: AsyncTurnStream | None) -> None:
-        super().__init__(req)
+        super().__init__(req, session._state.turn_failed)
         self.session = session
         self._request: Any = request  # None once sent
         self._prev = prev
@@ -221,14 +221,10 @@ class AsyncTurnStream(TurnCore):
             try:
                 try:
                     wire_event = await client._recv(self.req, client.event_timeout)
-                except BaseException:  # a timeout, a lost server, a cancelled task: the turn may still run there
+                except BaseException:  # a timeout, a lost server, Ctrl-C, a cancelled task: it may still run there
                     client._send_nowait(Abort(client._next_req(), self.session.id, self.req))
                     raise
-                try:
-                    events = self.accept(wire_event)
-                except AgentServeError:  # the server ended the turn with an error and kept nothing of it
-                    self.session._state.turn_failed()
-                    raise
+                events = self.accept(wire_event)
             except BaseException:
                 self.finished = True
                 raise

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentserve.client.errors import ProtocolViolation, from_event
+from agentserve.client.errors import AgentServeError, ProtocolViolation, from_event
 from agentserve.protocol.client_messages import (
     Error,
     FinishReason,
@@ -114,16 +115,19 @@ class TurnResult:
 class TurnCore:
     """The transport-free part of a turn's stream: wire events in, SDK events out, result kept."""
 
-    def __init__(self, req: int) -> None:
+    def __init__(self, req: int, on_error: Callable[[], None] | None = None) -> None:
         self.req = req
         self.result = TurnResult()
         self.finished = False
+        self._on_error = on_error  # the server ended the turn with an error (and kept nothing of it)
 
     def accept(self, wire_event: Any) -> list[TurnEvent]:
         try:
             events = translate(wire_event)
-        except BaseException:
+        except BaseException as e:
             self.finished = True
+            if self._on_error is not None and isinstance(e, AgentServeError):
+                self._on_error()
             raise
         for event in events:
             self.result.add(event)

@@ -194,7 +194,7 @@ class TurnStream(TurnCore):
     """The events of one turn.  Iterate it, or ``collect()`` them into a :class:`TurnResult`."""
 
     def __init__(self, session: Session, req: int) -> None:
-        super().__init__(req)
+        super().__init__(req, session._state.turn_failed)
         self.session = session
 
     def __iter__(self) -> Iterator[TurnEvent]:
@@ -203,14 +203,10 @@ class TurnStream(TurnCore):
             try:
                 try:
                     wire_event = client._recv(self.req, client.event_timeout)
-                except BaseException:  # a timeout, a lost server, Ctrl-C: the turn may still run there
+                except BaseException:  # a timeout, a lost server, Ctrl-C, a cancelled task: it may still run there
                     client._send_nowait(Abort(client._next_req(), self.session.id, self.req))
                     raise
-                try:
-                    events = self.accept(wire_event)
-                except AgentServeError:  # the server ended the turn with an error and kept nothing of it
-                    self.session._state.turn_failed()
-                    raise
+                events = self.accept(wire_event)
             except BaseException:
                 self.finished = True
                 raise
