@@ -22,7 +22,6 @@ from agentserve.orchestrator.text.tool_calls import CLOSE, OPEN, ToolCall, loads
 # `{"name": "<string>", "arguments": ` at the start of a call's JSON (the order models are taught)
 _HEAD = r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
 _HEAD_RE = re.compile(_HEAD)
-_HELD_TAIL = re.compile(r"[\s}]*\Z")  # may still be the end of the call object, not of its arguments
 
 
 @dataclass
@@ -40,6 +39,15 @@ class CallText:
 class Scan:
     content: str  # the text before the first call that is safe to show
     calls: list[CallText]
+
+
+def _held_tail_start(rest: str) -> int:
+    """Where the trailing whitespace and ``}`` of ``rest`` begin: they may still be the end of the call object,
+    not of its arguments.  Walks the tail only (a regex search from every position made streaming quadratic)."""
+    i = len(rest)
+    while i and (rest[i - 1] == "}" or rest[i - 1].isspace()):
+        i -= 1
+    return i
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -66,7 +74,7 @@ def call_text(body: str, complete: bool) -> CallText:
         if head is None:
             return CallText(None, "", False)
         rest = body[head.end():]
-        return CallText(name, rest[: _HELD_TAIL.search(rest).start()], False)
+        return CallText(name, rest[: _held_tail_start(rest)], False)
     parsed = parse_call_body(body.strip())
     call = parsed if isinstance(parsed, ToolCall) else None
     if head is None or call is None:
