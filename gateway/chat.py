@@ -34,7 +34,8 @@ async def chat_completions(request: Request) -> Response:
     backend: Backend = request.app.state.backend
     req = decode_body(await read_body(request, backend.options.max_body_bytes), ChatCompletionRequest)
     plan = plan_chat(req, backend)
-    runs = await start_choices(backend, plan)
+    runs = [ChoiceRun(backend, plan, i) for i in range(plan.n)]
+    await unless_disconnected(request, start_choices(runs), runs)  # queued or prefilling: a client may give up
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": plan.model}
     if plan.stream:
         return StreamingResponse(stream(runs, plan, head), media_type="text/event-stream", headers=sse.HEADERS)
@@ -60,15 +61,13 @@ async def unless_disconnected(request: Request, answer: Any, runs: list[ChoiceRu
     raise APIError(499, "the client closed the connection", type="client_closed_request")
 
 
-async def start_choices(backend: Backend, plan: ChatPlan) -> list[ChoiceRun]:
-    runs = [ChoiceRun(backend, plan, i) for i in range(plan.n)]
+async def start_choices(runs: list[ChoiceRun]) -> None:
     results = await asyncio.gather(*(r.start() for r in runs), return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         for run in runs:
             run.abandon()
         raise failed[0]
-    return runs
 
 
 async def whole(runs: list[ChoiceRun], head: dict[str, Any]) -> dict[str, Any]:

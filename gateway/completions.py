@@ -107,7 +107,15 @@ class CompletionRun:
         if self.done.finish == FinishReason.ABORT:
             self.backend.close_later(session)
         else:
-            self.backend.token_conversations.file(self.prompt + self.output, session)
+            self.backend.token_conversations.file(self.prompt + self._kept_output(), session)
+
+    def _kept_output(self) -> list[int]:
+        """The output tokens the session holds: a final eos is not part of it (``RunningTurn.output_ids``), so a
+        prompt that resends it continues the session with the eos among its new tokens."""
+        _, _, tokenizer = self.backend.require()
+        if self.output and self.output[-1] in tokenizer.eos_token_ids:
+            return self.output[:-1]
+        return self.output
 
     def abandon(self) -> None:
         session, self.session = self.session, None
@@ -131,7 +139,7 @@ async def completions(request: Request) -> Response:
     options |= completion_options(req.logprobs)
     ids = await asyncio.to_thread(prompt_ids, req, backend)  # megabytes take seconds: not on the event loop
     run = CompletionRun(backend, ids, options)
-    await run.start()
+    await unless_disconnected(request, run.start(), [run])  # queued or prefilling: a client may give up
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": backend.model_name}
     if req.stream:
