@@ -48,7 +48,8 @@ class Backend:
         self.metrics: Metrics | None = None
         self.conversations = ConversationMap(options.conversation_capacity, options.conversation_idle_s,
                                              on_evict=self.close_later)
-        self.token_conversations = TokenConversationMap(options.conversation_capacity, on_evict=self.close_later)
+        self.token_conversations = TokenConversationMap(options.conversation_capacity, options.conversation_idle_s,
+                                                        on_evict=self.close_later)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._connector: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -63,6 +64,7 @@ class Backend:
         while True:
             await asyncio.sleep(every_s)
             self.conversations.sweep()
+            self.token_conversations.sweep()
 
     async def _connect(self) -> None:
         while True:

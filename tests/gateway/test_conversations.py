@@ -41,3 +41,18 @@ def test_capacity_and_idle_eviction_close_sessions() -> None:
     assert m.sweep() == 1 and closed == ["s0", "s1"]
     m.file(chain(b"s", [Canonical("user", "2")])[-1], "s9")  # the same conversation filed again: newest wins
     assert closed == ["s0", "s1", "s2"] and m.drain() == ["s9"]
+
+
+def test_idle_completion_sessions_are_closed_too() -> None:
+    """The raw-token map (``/v1/completions``) closes its idle sessions like the chat map (they stayed until the
+    capacity pushed them out)."""
+    from agentserve.gateway.token_conversations import TokenConversationMap
+
+    now, closed = [0.0], []
+    m = TokenConversationMap(8, idle_s=600.0, clock=lambda: now[0], on_evict=closed.append)
+    m.file([1, 2, 3], "s0")
+    now[0] = 400.0
+    m.file([4, 5], "s1")
+    now[0] = 700.0
+    assert m.sweep() == 1 and closed == ["s0"] and len(m) == 1
+    assert m.take([4, 5, 6]) == ("s1", 2) and m.sweep() == 0
