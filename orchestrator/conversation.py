@@ -63,13 +63,13 @@ class Conversation:
     def text_to_tokenize(self, turn: Turn) -> int:
         """About how many bytes of text :meth:`prompt_for` tokenizes for ``turn`` (the rule for doing it off the
         loop): the new messages, and the system prompt, tools and history too while nothing exact is cached."""
-        new = sum(m.text_bytes() for m in turn.messages)
+        head = len(self.system.encode()) + (len(msgspec.msgpack.encode(self.tools)) if self.tools else 0)
         if turn.token_ids:
-            return 0 if self.tokens else len(self.system.encode()) + len(msgspec.json.encode(self.tools))
+            return 0 if self.tokens else head
+        new = sum(m.text_bytes() for m in turn.messages)
         if self.exact_text is not None:
             return new
-        history = len(msgspec.json.encode(self.messages)) if self.messages else 0
-        return new + history + len(self.system.encode()) + (len(msgspec.json.encode(self.tools)) if self.tools else 0)
+        return new + head + (len(msgspec.msgpack.encode(self.messages)) if self.messages else 0)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

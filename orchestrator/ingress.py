@@ -183,6 +183,10 @@ class Ingress:
         except ProtocolError as e:
             self._reject(cid, e)
             return None
+        except (TypeError, ValueError, OverflowError, RecursionError) as e:  # a value no check foresaw: this client's
+            log.warning("request from client %s could not be checked: %s: %s", cid.hex(), type(e).__name__, e)
+            self._reject(cid, ProtocolError(ErrorCode.INVALID_REQUEST, f"the request cannot be checked: {e}"))
+            return None
         if isinstance(msg, Hello):
             self.send(cid, msgspec.structs.replace(self.info, req=msg.req, version=PROTOCOL_VERSION))
             return None

@@ -92,8 +92,8 @@ class Message(WireStruct):
         return out
 
     def text_bytes(self) -> int:
-        """What the chat template renders of it, in bytes: the content and the tool calls (as JSON)."""
-        calls = len(msgspec.json.encode(self.tool_calls)) if self.tool_calls else 0
+        """About what the chat template renders of it, in bytes: the content and the tool calls (as msgpack)."""
+        calls = len(msgspec.msgpack.encode(self.tool_calls)) if self.tool_calls else 0  # any decoded value
         return len(self.content.encode()) + calls
 
 

@@ -41,6 +41,7 @@ from agentserve.protocol.limits import Limits, check_limits, nesting
 
 ROOT = Path(__file__).resolve().parents[2]
 client_codec = ClientCodec()
+SERVER_CODEC = ServerCodec()
 LIMITS = Limits(max_frame_bytes=64 * 1024, max_tool_bytes=4096, max_text_bytes=2048, max_stop_strings=4)
 
 # ---- the codec: deep, wide and random msgpack ----------------------------------------------------
@@ -138,6 +139,15 @@ def test_each_field_over_its_limit_gets_limit_exceeded_naming_it(case):
         check_limits(OVER[case], LIMITS)
     assert e.value.code is ErrorCode.LIMIT_EXCEEDED and e.value.req == 3
     assert f"limits.request.{case.split()[-1]}" in str(e.value)
+
+
+@pytest.mark.parametrize("value", [msgspec.msgpack.Ext(1, b"x"), {None: 1}, {(1, 2): 3}, 2**64 - 1])
+def test_any_value_in_tool_calls_is_measured_without_raising(value):
+    """A decoded frame may hold values JSON cannot encode: measuring a turn's text once raised TypeError out of the
+    ingress, which stopped the server."""
+    frame = msgspec.msgpack.encode(["turn", 3, 1, [["assistant", "", "", "", [{"id": "c", "x": value}]]]])
+    msg = SERVER_CODEC.decode(frame)
+    check_limits(msg, LIMITS)  # within the limits: no error at all
 
 
 def test_requests_within_the_limits_pass():
@@ -276,3 +286,19 @@ def test_a_slow_reader_keeps_every_event_in_order(ingress, peer):
                 got += client_codec.decode(payload).token_ids
     assert got == list(range(2000)) and ingress.backlogged == 0
     assert cid in ingress.clients
+
+
+def test_a_request_a_check_cannot_measure_is_that_clients_error(ingress, peer, monkeypatch):
+    """Whatever a check raises on a strange value is answered to that client, never raised out of the loop."""
+    import agentserve.orchestrator.ingress as ingress_module
+
+    def broken(msg, limits, encoded_tools=0):
+        raise TypeError("a value no check foresaw")
+
+    monkeypatch.setattr(ingress_module, "check_limits", broken)
+    peer.send(client_codec.encode(_turn()))
+    err = reply(ingress, peer)
+    assert isinstance(err, Error) and err.code is ErrorCode.INVALID_REQUEST and "foresaw" in err.message, err
+    monkeypatch.undo()
+    peer.send(client_codec.encode(Hello(req=99, version=PROTOCOL_VERSION)))
+    assert isinstance(reply(ingress, peer), Welcome)
