@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from functools import partial
 from typing import Any, Unpack
 
 import zmq
@@ -173,7 +174,9 @@ class AsyncSession(SessionBase):
         An unfinished previous turn of this session is aborted first.
         """
         req = self.client._next_req()
-        stream = AsyncTurnStream(self, req, self._state.turn_request(req, messages, **options), self._active)
+        request = self._state.turn_request(req, messages, **options)
+        restore = partial(self._state.restore, self._state.carried)  # this turn's own, whenever it fails
+        stream = AsyncTurnStream(self, req, request, self._active, restore)
         self._active = stream
         return stream
 
@@ -196,8 +199,10 @@ class AsyncSession(SessionBase):
 
 
 class AsyncTurnStream(TurnCore):
-    def __init__(self, session: AsyncSession, req: int, request: Any, prev: AsyncTurnStream | None) -> None:
-        super().__init__(req, session._state.turn_failed)
+    def __init__(self, session: AsyncSession, req: int, request: Any, prev: AsyncTurnStream | None,
+                 on_error: Callable[[], None] | None = None) -> None:
+        super().__init__(req, on_error)
+        self._restore = on_error
         self.session = session
         self._request: Any = request  # None once sent
         self._prev = prev
@@ -211,7 +216,8 @@ class AsyncTurnStream(TurnCore):
             try:
                 await self.session.client._send(request)
             except BaseException:
-                self.session._state.turn_failed()
+                if self._restore is not None:
+                    self._restore()
                 raise
 
     async def __aiter__(self) -> AsyncIterator[TurnEvent]:

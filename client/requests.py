@@ -64,7 +64,7 @@ class SessionState:
     def __init__(self, session_id: int) -> None:
         self.id = session_id
         self.pending: list[Message] = []
-        self.carried: list[Message] = []  # the tool results the latest turn carries, until the server commits it
+        self.carried: list[Message] = []  # the tool results of the turn built last (its stream keeps its own)
         self.closed = False
 
     def tool_result(self, call_id: str, content: Any, name: str = "") -> None:
@@ -96,9 +96,9 @@ class SessionState:
         self.carried, self.pending = self.pending, []
         return turn
 
-    def turn_failed(self) -> None:
-        """The latest turn ended in an error (the server keeps no part of it): its tool results wait again."""
-        self.pending, self.carried = self.carried + self.pending, []
+    def restore(self, results: list[Message]) -> None:
+        """A turn that carried ``results`` ended in an error (the server keeps no part of it): they wait again."""
+        self.pending = results + self.pending
 
 
 class ReqCounter:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any, Unpack
 
 import zmq
@@ -164,12 +165,13 @@ class Session(SessionBase):
             self._active.close()
         req = self.client._next_req()
         request = self._state.turn_request(req, messages, **options)
+        restore = partial(self._state.restore, self._state.carried)
         try:
             self.client._send(request)
         except BaseException:
-            self._state.turn_failed()
+            restore()
             raise
-        self._active = TurnStream(self, req)
+        self._active = TurnStream(self, req, restore)
         return self._active
 
     def close(self) -> None:
@@ -193,8 +195,8 @@ class Session(SessionBase):
 class TurnStream(TurnCore):
     """The events of one turn.  Iterate it, or ``collect()`` them into a :class:`TurnResult`."""
 
-    def __init__(self, session: Session, req: int) -> None:
-        super().__init__(req, session._state.turn_failed)
+    def __init__(self, session: Session, req: int, on_error: Callable[[], None] | None = None) -> None:
+        super().__init__(req, on_error)
         self.session = session
 
     def __iter__(self) -> Iterator[TurnEvent]:
