@@ -263,7 +263,10 @@ class ExecutorLink:
             except RingClosed:
                 if closing.is_set():  # stop() closed it
                     return
-                msg = ExecutorDown(self._hung_reason or f"executor closed its rings and {_exited(proc)}")
+                why = f"executor closed its rings and {_exited(proc)}"
+                if closing.is_set():  # stop() began while it exited: nobody waits for this one
+                    return
+                msg = ExecutorDown(self._hung_reason or why)
             except ShmError as e:
                 msg = ExecutorDown(f"result ring failed: {e}")
             self._post(msg)

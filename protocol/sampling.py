@@ -10,7 +10,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's 
 
 
 # The most grammar text one plan carries, in UTF-8 bytes (a ring slot is 128 KiB): one constraint's grammar may be
-# this large; a step starts further constrained sequences only while their grammars fit beside it.
+# this large; a step starts further constrained sequences only while their grammars fit beside the first.
 MAX_GRAMMAR_BYTES = 48 * 1024
 
 class Finish(enum.IntEnum):

@@ -73,8 +73,8 @@ class Batch:
         """Add up to ``max_tokens`` prompt tokens of ``req`` (admitting it); return how many."""
         if self.full or max_tokens <= 0 or req.inflight or req.seq_id in self.in_batch:
             return 0
-        if self.seqs and self.grammar_bytes + _grammar_bytes(req) > MAX_GRAMMAR_BYTES:
-            return 0  # its grammar goes in a later step's plan: one ring slot holds a plan
+        if self.grammar_bytes and self.grammar_bytes + _grammar_bytes(req) > MAX_GRAMMAR_BYTES:
+            return 0  # its grammar goes in a later step's plan (one ring slot holds a plan); one always fits
         if req.state is ReqState.WAITING and not self.host.admit(req, self):
             return 0
         if req.state is not ReqState.PREFILL or (phase is not None and req.phase is not phase):
