@@ -89,6 +89,12 @@ class SessionRecord:
     scheduled: bool = False  # opened in the current scheduler
     last: RunningTurn | None = None  # the previous turn (for `top`)
     preparing: int = 0  # req of a turn whose prompt the worker thread is building
+    opens: int = 0  # times opened in a scheduler: each gets its own id (a reset one may still be draining)
+
+    @property
+    def sched_id(self) -> str:
+        """The session's id in the scheduler (a fresh one after each reset)."""
+        return f"{self.session}.{self.opens}"
 
     @property
     def running_req(self) -> int:
@@ -258,7 +264,7 @@ class Server:
             self._fail_preparing(rec, ErrorCode.INTERNAL, why)
         if rec.scheduled:
             rec.scheduled = False
-            self._emit(self.sched.close_session(str(rec.session)))
+            self._emit(self.sched.close_session(rec.sched_id))
 
     def _finish_turn(self, rec: SessionRecord, finish: Finish, t: float) -> None:
         turn = rec.turn
@@ -424,10 +430,11 @@ class Server:
             )
         sampling = constrained_sampling(msg, rec.conversation.tools, self.tokenizer, self.vocab_size)
         if not rec.scheduled:
-            self.sched.open_session(str(rec.session))
+            rec.opens += 1
+            self.sched.open_session(rec.sched_id)
             rec.scheduled = True
         try:
-            seq_id = self.sched.submit(str(rec.session), prompt, sampling, full_prompt=True, now=arrival)
+            seq_id = self.sched.submit(rec.sched_id, prompt, sampling, full_prompt=True, now=arrival)
         except ValueError as e:
             raise ProtocolError(ErrorCode.INVALID_SAMPLING, str(e), msg.req, rec.session) from None
         turn = RunningTurn(
@@ -465,7 +472,7 @@ class Server:
         elif rec.preparing:
             self._fail_preparing(rec, ErrorCode.ABORTED, why)
         if rec.scheduled:  # a running turn is scheduled too: closing aborts it
-            self._emit(self.sched.close_session(str(rec.session)))
+            self._emit(self.sched.close_session(rec.sched_id))
         self.sessions.drop(rec)
 
 

@@ -603,7 +603,8 @@ class Scheduler:
 
     def _drop_session(self, session: SessionKV) -> None:
         self._release_session(session)
-        self.sessions.pop(session.session_id, None)
+        if self.sessions.get(session.session_id) is session:  # not a session re-opened under its id meanwhile
+            del self.sessions[session.session_id]
         for seq_id in [k for k, r in self.ended.items() if r.session is session]:
             del self.ended[seq_id]
 

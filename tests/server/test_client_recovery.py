@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from server_harness import TOKEN, serving
+from server_harness import TOKEN, serving, wait_until
 
 from agentserve.client import AgentClient, AsyncAgentClient, ExecutorFailed
 
@@ -68,8 +68,13 @@ def test_tool_results_a_failed_turn_carried_go_with_the_retry(tmp_path) -> None:
             s.turn(max_tokens=2, ignore_eos=True).collect()
         link.failing = False
         s.turn(max_tokens=2, ignore_eos=True).collect()  # once an empty turn: invalid_request
-        (rec,) = server.sessions.values()
-        assert [m["content"] for m in rec.conversation.messages if m["role"] == "tool"] == ["42"]
+        (rec,) = server.sessions.values()  # the server commits the turn just after sending its Done
+
+        def tool_messages() -> list[str]:
+            return [m["content"] for m in rec.conversation.messages if m["role"] == "tool"]
+
+        wait_until(lambda: tool_messages() == ["42"], 5.0)
+        assert tool_messages() == ["42"]
 
 
 def test_each_failed_turn_puts_back_only_its_own_tool_results() -> None:
@@ -87,3 +92,25 @@ def test_each_failed_turn_puts_back_only_its_own_tool_results() -> None:
     assert [m.content for m in b.messages] == ["RB"]
     restore_a()
     assert [m.content for m in state.pending] == ["RA"]
+
+
+def test_a_session_reset_mid_turn_takes_its_next_turn_at_once(slow, monkeypatch) -> None:
+    """A reset session's old scheduler session drains its plans in flight; a retry meanwhile opens a new one under
+    its own id (the same id was refused as still open: the retry got `internal`)."""
+    from agentserve.client import InternalError
+    from agentserve.orchestrator.running_turn import RunningTurn
+
+    endpoint, _, _ = slow
+    real, calls = RunningTurn.on_token, [0]
+
+    def flaky(self, token_id, t, *logprobs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("detokenizer bug")
+        return real(self, token_id, t, *logprobs)
+
+    monkeypatch.setattr(RunningTurn, "on_token", flaky)
+    with AgentClient(endpoint) as client, client.session(system="sys") as s:
+        with pytest.raises(InternalError, match="detokenizer bug"):
+            s.turn("a long one", max_tokens=2000, ignore_eos=True).collect()
+        assert s.turn("again", max_tokens=2, ignore_eos=True).collect().token_ids == [TOKEN] * 2
