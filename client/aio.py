@@ -107,8 +107,9 @@ class AsyncAgentClient(ClientBase):
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # an error is retrieved, not logged
 
     async def _recv(self, req: int, timeout: float) -> Any:
-        try:
-            event = await asyncio.wait_for(self._queues[req].get(), timeout)
+        try:  # asyncio.timeout, not wait_for: on 3.11 a nested wait_for can swallow the caller's own cancellation
+            async with asyncio.timeout(timeout):
+                event = await self._queues[req].get()
         except TimeoutError:
             raise self._link.silent(timeout, req) from None
         if event is _DROPPED:
