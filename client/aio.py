@@ -27,6 +27,7 @@ from agentserve.client.requests import MessageLike, TurnOptions, open_request
 from agentserve.client.transport import ClientBase, SessionBase
 from agentserve.protocol.client_messages import (
     Abort,
+    CloseSession,
     GetStats,
     SessionClosed,
     SessionOpened,
@@ -139,7 +140,16 @@ class AsyncAgentClient(ClientBase):
         parse_tool_calls: bool = True,
     ) -> AsyncSession:
         req = open_request(self._next_req(), system, tools, name, parse_tool_calls)
-        return AsyncSession(self, await self._call(req, SessionOpened))
+        opening = asyncio.ensure_future(self._call(req, SessionOpened))
+        try:
+            return AsyncSession(self, await asyncio.shield(opening))
+        except asyncio.CancelledError:  # the server opens it anyway: close it once it has, not leave it open
+            opening.add_done_callback(self._close_when_opened)
+            raise
+
+    def _close_when_opened(self, opening: asyncio.Future[Any]) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            self._send_nowait(CloseSession(self._next_req(), opening.result().session))
 
     async def stats(self) -> bytes:
         return (await self._call(GetStats(self._next_req()), StatsReply)).snapshot

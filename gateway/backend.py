@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,21 +130,7 @@ class Backend:
     async def open_session(self, system: str, tools: list[dict[str, Any]] | None, name: str = "http"
                            ) -> AsyncSession:
         client, _, _ = self.require()
-        return await self.opened(client.session(system=system, tools=tools or None, name=name))
-
-    async def opened(self, opening: Coroutine[Any, Any, AsyncSession]) -> AsyncSession:
-        """Await a session being opened; if the request is cancelled meanwhile (its client disconnected), the
-        session still opens on the orchestrator: close it once it has, instead of leaving it there."""
-        task = asyncio.ensure_future(opening)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(self._close_when_open)
-            raise
-
-    def _close_when_open(self, task: asyncio.Future[AsyncSession]) -> None:
-        if not task.cancelled() and task.exception() is None:
-            self.close_later(task.result())
+        return await client.session(system=system, tools=tools or None, name=name)  # closed if cancelled meanwhile
 
     def close_later(self, session: AsyncSession) -> None:
         """Close ``session`` in the background (frees its KV); errors are only logged."""

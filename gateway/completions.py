@@ -73,8 +73,7 @@ class CompletionRun:
             new = self.prompt[held:]
         else:
             try:
-                self.session = await self.backend.opened(client.session(name="http-completions",
-                                                                        parse_tool_calls=False))
+                self.session = await client.session(name="http-completions", parse_tool_calls=False)
             except AgentServeError as e:
                 raise from_client_error(e) from None
             new = self.prompt

@@ -4,7 +4,6 @@ event and ``[DONE]`` (never a cut); a completion's session is filed under the to
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from types import SimpleNamespace
 
@@ -71,32 +70,3 @@ def test_a_completion_ending_in_eos_is_filed_under_the_tokens_its_session_holds(
     session, held = backend.token_conversations.take(prompt + output + [13, 14])
     assert session == "the session" and held == len(prompt) + len(output) - 1, "the eos is among the new tokens"
 
-
-def test_a_session_opened_after_its_request_was_cancelled_is_closed() -> None:
-    """A client that disconnects while its session is being opened: the orchestrator opens it anyway; the gateway
-    closes it once it has (it was left open, holding its system prompt, with nothing to close it)."""
-    from agentserve.gateway.backend import Backend, GatewayOptions
-
-    backend = Backend(GatewayOptions(endpoint="ipc:///nonexistent"))
-    closed: list[str] = []
-    backend.close_later = closed.append
-
-    async def run() -> None:
-        release = asyncio.Event()
-
-        async def opening() -> str:
-            await release.wait()
-            return "the session"
-
-        request = asyncio.ensure_future(backend.opened(opening()))
-        await asyncio.sleep(0)
-        request.cancel()  # the client disconnected
-        with contextlib.suppress(asyncio.CancelledError):
-            await request
-        assert closed == []
-        release.set()  # the orchestrator answers SessionOpened
-        for _ in range(3):
-            await asyncio.sleep(0)
-
-    asyncio.run(run())
-    assert closed == ["the session"]

@@ -114,3 +114,27 @@ def test_a_session_reset_mid_turn_takes_its_next_turn_at_once(slow, monkeypatch)
         with pytest.raises(InternalError, match="detokenizer bug"):
             s.turn("a long one", max_tokens=2000, ignore_eos=True).collect()
         assert s.turn("again", max_tokens=2, ignore_eos=True).collect().token_ids == [TOKEN] * 2
+
+
+def test_a_session_whose_opening_was_cancelled_is_closed_once_open(tmp_path, monkeypatch) -> None:
+    """The server opens a session whatever became of the request; a cancelled ``session()`` (an HTTP client that
+    disconnected, a timeout) closes it once it is open instead of leaving it there."""
+    from agentserve.orchestrator.server import Server
+
+    real = Server._open
+
+    def slow_open(self, client, msg):
+        time.sleep(0.3)  # the request is in; its answer is late
+        return real(self, client, msg)
+
+    monkeypatch.setattr(Server, "_open", slow_open)
+    with serving(tmp_path) as (endpoint, _, server):
+
+        async def run() -> None:
+            async with AsyncAgentClient(endpoint) as client:
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(client.session(system="sys"), 0.1)
+                await asyncio.sleep(0.5)  # the server has opened it; its SessionOpened arrives
+                wait_until(lambda: len(server.sessions) == 0, 5.0)
+
+        asyncio.run(run())
