@@ -143,7 +143,8 @@ def _up(opts: dict[str, Any]) -> int:
         with _Status() as status:
             ready = link.start(progress=lambda s: status.update(f"loading the model … {s:.0f} s"))
         ingress.info = Welcome(
-            0, 0, server="agentserve", model=model_dir, max_model_len=ready.max_model_len, run=run, pid=os.getpid()
+            0, 0, server="agentserve", model=model_dir, max_model_len=ready.max_model_len, run=run, pid=os.getpid(),
+            eos_token_ids=list(ready.eos_token_ids),
         )
         server = Server(
             ingress, link, tokenizer,

@@ -110,10 +110,10 @@ class CompletionRun:
             self.backend.token_conversations.file(self.prompt + self._kept_output(), session)
 
     def _kept_output(self) -> list[int]:
-        """The output tokens the session holds: a final eos is not part of it (``RunningTurn.output_ids``), so a
-        prompt that resends it continues the session with the eos among its new tokens."""
-        _, _, tokenizer = self.backend.require()
-        if self.output and self.output[-1] in tokenizer.eos_token_ids:
+        """The output tokens the session holds: a final eos (the server's, from its welcome) is not part of it
+        (``RunningTurn.output_ids``), so a prompt that resends it continues the session with it among the new ones."""
+        _, welcome, _ = self.backend.require()
+        if self.output and self.output[-1] in welcome.eos_token_ids:
             return self.output[:-1]
         return self.output
 

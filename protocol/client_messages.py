@@ -202,6 +202,7 @@ class Welcome(WireStruct, tag="welcome"):
     max_model_len: int = 0
     run: str = ""  # the run name: `agentserve top --run` attaches its stats board
     pid: int = 0
+    eos_token_ids: list[int] = []  # the ids that end a turn (a raw turn's session keeps its output without one)
 
 
 class SessionOpened(WireStruct, tag="opened"):

@@ -111,6 +111,8 @@ def _agent(endpoint: str, index: int, results: dict, errors: list) -> None:
 
 def test_four_agents_match_offline_generation(server: UpServer, reference) -> None:
     tok, generate = reference
+    with AgentClient(server.endpoint) as client:  # the ids that end a turn, as the gateway needs them
+        assert client.server.eos_token_ids and all(0 <= t < tok.vocab_size for t in client.server.eos_token_ids)
     results: dict = {}
     errors: list = []
     threads = [threading.Thread(target=_agent, args=(server.endpoint, i, results, errors)) for i in range(4)]

@@ -50,7 +50,7 @@ def test_a_completion_ending_in_eos_is_filed_under_the_tokens_its_session_holds(
 
     eos = 258
     backend = SimpleNamespace(token_conversations=TokenConversationMap(), close_later=lambda s: None,
-                              require=lambda: (None, None, SimpleNamespace(eos_token_ids=[eos])))
+                              require=lambda: (None, SimpleNamespace(eos_token_ids=[eos]), None))
     prompt, output = [5, 6, 7], [11, 12, eos]
     run = CompletionRun(backend, prompt, {})
 
