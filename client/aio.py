@@ -213,7 +213,6 @@ class AsyncTurnStream(TurnCore):
     def __init__(self, session: AsyncSession, req: int, request: Any, prev: AsyncTurnStream | None,
                  on_error: Callable[[], None] | None = None) -> None:
         super().__init__(req, on_error)
-        self._restore = on_error
         self.session = session
         self._request: Any = request  # None once sent
         self._prev = prev
@@ -227,8 +226,8 @@ class AsyncTurnStream(TurnCore):
             try:
                 await self.session.client._send(request)
             except BaseException:
-                if self._restore is not None:
-                    self._restore()
+                if self._on_error is not None:
+                    self._on_error()
                 raise
 
     async def __aiter__(self) -> AsyncIterator[TurnEvent]:

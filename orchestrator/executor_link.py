@@ -261,10 +261,8 @@ class ExecutorLink:
             except PeerDied as e:
                 msg = ExecutorDown(self._hung_reason or f"executor died: {e}")
             except RingClosed:
-                if closing.is_set():  # stop() closed it
-                    return
-                why = f"executor closed its rings and {_exited(proc)}"
-                if closing.is_set():  # stop() began while it exited: nobody waits for this one
+                why = f"executor closed its rings and {_exited(proc)}"  # at once when stop() has reaped it
+                if closing.is_set():  # stop() closed them, or began while it exited: nobody waits for this one
                     return
                 msg = ExecutorDown(self._hung_reason or why)
             except ShmError as e:

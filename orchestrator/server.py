@@ -358,9 +358,6 @@ class Server:
         self.ingress.send(rec.client, SessionOpened(msg.req, rec.session, len(system_tokens)))
 
     def _turn(self, client: bytes, msg: Turn) -> None:
-        if msg.req <= 0:  # a running turn's req 0 would read as "no turn running"
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"a turn's req must be positive, not {msg.req}", msg.req,
-                                msg.session)
         rec = self.sessions.idle(client, msg.session, msg.req)
         self._check_turn(rec, msg)
         arrival = self.clock()

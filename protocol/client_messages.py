@@ -409,6 +409,8 @@ def _validate_turn(turn: Turn) -> None:
     def bad(code: ErrorCode, text: str) -> ProtocolError:
         return ProtocolError(code, text, req=turn.req, session=turn.session)
 
+    if turn.req <= 0:  # a running turn's req 0 would read as "no turn running"
+        raise bad(ErrorCode.INVALID_REQUEST, f"a turn's req must be positive, not {turn.req}")
     if turn.messages and turn.token_ids:
         raise bad(ErrorCode.INVALID_REQUEST, "a turn gives messages or token_ids, not both")
     if not turn.messages and not turn.token_ids:
