@@ -7,7 +7,8 @@ with the client socket.
 If the executor dies, the reader's wait raises ``PeerDied`` within a second and the loop receives
 an :class:`ExecutorDown` in the same queue.  If it hangs instead (plans in flight, no result within
 the :class:`~agentserve.orchestrator.hang_watch.HangWatch` bound), :meth:`ExecutorLink.check_hung`
-kills it, and the same ``ExecutorDown`` follows with the reason.
+kills it, and the same ``ExecutorDown`` follows with the reason; so does :meth:`ExecutorLink.send` when the
+decision ring stays full for that bound (the loop never blocks for good behind a stopped executor).
 
 Each (re)start uses a fresh ring pair (``exec<N>``), so a restart never reads a half-written
 message of the dead process.  :meth:`ExecutorLink.restart` loads the new executor on a thread and
@@ -34,7 +35,7 @@ from agentserve.orchestrator.wake_queue import WakeQueue
 from agentserve.protocol.lanes import OPENMP_BINDING_ENV, openmp_binding
 from agentserve.protocol.ring_messages import WIRE_VERSION, ExecError, Plan, Ready, Result, Shutdown
 from agentserve.shm.channel import RingPair
-from agentserve.shm.errors import PeerDied, RingClosed, ShmError
+from agentserve.shm.errors import PeerDied, RingClosed, RingTimeout, ShmError
 
 log = logging.getLogger("agentserve.orchestrator.executor")
 
@@ -217,10 +218,19 @@ class ExecutorLink:
     def send(self, msg: msgspec.Struct) -> None:
         """Send ``msg``; if the executor is gone, drop it (the reader thread's ``ExecutorDown`` follows).
 
+        A full decision ring is waited on for at most the hang bound: an executor that reads nothing for that
+        long is killed as hung (the loop must not block for good behind a stopped executor).
+
         Raises ``MessageTooLarge`` for a message no ring slot holds (the executor is fine)."""
         assert self.pair is not None
+        if self._hung_reason is not None:
+            return  # killed as hung: its ExecutorDown is on the way
+        bound = self.watch.bound_s()
         try:
-            self.pair.send(msg)
+            self.pair.send(msg, timeout=bound)
+        except RingTimeout:  # alive (or stopped) but not reading: the same rule as no results in flight
+            self._kill_hung(f"executor hung: the decision ring stayed full for {bound:.1f} s")
+            return
         except (PeerDied, RingClosed) as e:
             log.warning("could not send %s: %s", type(msg).__name__, e)
             return
@@ -235,11 +245,15 @@ class ExecutorLink:
         reason = self.watch.hung(now)  # first: runs every loop pass, costs no system call
         if reason is not None and now - self._heard <= self.watch.bound_s():
             return None  # results came in while the loop was busy elsewhere; they wait in the inbox
-        if reason is not None and self.proc.poll() is None:
+        if reason is not None:
+            self._kill_hung(reason)
+        return reason
+
+    def _kill_hung(self, reason: str) -> None:
+        if self.proc is not None and self.proc.poll() is None:
             log.error("%s; killing it (pid %d)", reason, self.proc.pid)
             self._hung_reason = reason
             self.proc.kill()
-        return reason
 
     def fileno(self) -> int:
         """Readable when :meth:`drain` has something (for ``zmq.Poller``)."""

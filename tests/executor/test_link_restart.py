@@ -14,6 +14,7 @@ import pytest
 
 from agentserve.executor.builtin import resolve_model
 from agentserve.orchestrator.executor_link import ExecutorDown, ExecutorLink, ExecutorSpec, Restarted, RestartFailed
+from agentserve.orchestrator.limits import HangRule
 from agentserve.protocol.ring_messages import Release
 
 
@@ -141,3 +142,31 @@ def test_results_waiting_in_the_inbox_are_not_a_hang() -> None:
     assert link.check_hung() is not None and killed
     link.proc = None
     link.close()
+
+
+def test_a_send_to_a_stopped_executor_ends_in_executor_down() -> None:
+    """A SIGSTOPped executor reads no decisions: once the ring is full, a send waits at most the hang bound, then
+    the executor is killed as hung (the loop would otherwise block in that send for good)."""
+    spec = ExecutorSpec(f"t{uuid.uuid4().hex[:8]}", str(resolve_model("tiny")), ["--dtype", "float32",
+                                                                                "--num-blocks", "64"])
+    link = ExecutorLink(spec, HangRule(hang_floor_s=1.0))
+    try:
+        link.start()
+        link.proc.send_signal(signal.SIGSTOP)
+        slowest = 0.0
+        for _ in range(100_000):
+            t0 = time.monotonic()
+            link.send(Release([1]))
+            slowest = time.monotonic() - t0
+            if slowest > 0.5:
+                break
+        assert 0.9 < slowest < 5.0, f"the send that found the ring full took {slowest:.2f} s"
+        t0 = time.monotonic()
+        link.send(Release([1]))  # killed as hung: dropped at once
+        assert time.monotonic() - t0 < 0.1
+        got = _drain_until(link, 30)
+        assert len(got) == 1 and isinstance(got[0], ExecutorDown), got
+        assert "decision ring stayed full" in got[0].reason, got[0].reason
+    finally:
+        link.close()
+    assert not _ours(link.spec.run)
