@@ -25,6 +25,7 @@ class ClientRules:
     heartbeat_timeout_ms: int = 3000
     probe_interval_s: float = 1.0
     tokenize_inline_bytes: int = 65536
+    max_sessions: int = 16384
 
 
 @dataclass(frozen=True, slots=True)

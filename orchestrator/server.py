@@ -337,6 +337,10 @@ class Server:
             self.ingress.send(client, ProtocolError(ErrorCode.INTERNAL, why, req, session).to_event())
 
     def _open(self, client: bytes, msg: OpenSession) -> None:
+        held, bound = self.sessions.count(client), self.options.limits.clients.max_sessions
+        if held >= bound:
+            why = f"this connection holds {held} open sessions, the limit of {bound} (limits.clients.max_sessions)"
+            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, why, msg.req)
         conv = Conversation(self.tokenizer, system=msg.system, tools=list(msg.tools))
         rec = SessionRecord(self.sessions.new_id(), client, msg.options.name, conv, msg.options.parse_tool_calls)
         size = len(msg.system) + (len(msgspec.msgpack.encode(msg.tools)) if msg.tools else 0)

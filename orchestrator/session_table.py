@@ -66,6 +66,10 @@ class SessionTable(Generic[R]):
             if not owned:
                 del self._by_client[record.client]
 
+    def count(self, client: bytes) -> int:
+        """How many sessions ``client`` owns (those still being opened on the worker thread too)."""
+        return len(self._by_client.get(client, ()))
+
     def of_client(self, client: bytes) -> list[R]:
         """Every session ``client`` owns, oldest first."""
         return [self._sessions[s] for s in sorted(self._by_client.get(client, ()))]

@@ -14,7 +14,7 @@ import time
 import pytest
 from server_harness import TOKEN, serving, wait_until
 
-from agentserve.client import AgentClient, InternalError, PromptTooLong
+from agentserve.client import AgentClient, InternalError, LimitExceeded, PromptTooLong
 from agentserve.orchestrator.conversation import Conversation
 from agentserve.orchestrator.limits import ClientRules, ServingLimits
 from agentserve.orchestrator.running_turn import RunningTurn
@@ -116,3 +116,20 @@ def test_a_turn_being_prepared_can_be_aborted_and_its_client_can_vanish(served) 
         wait_until(lambda: len(server.sessions) == 1, timeout=15)  # its session went with it
         wait_until(lambda: server.worker.pending == 0, timeout=30)  # the late prompt was dropped
         assert s.turn("after", max_tokens=2, ignore_eos=True).collect().token_ids == [TOKEN] * 2
+
+
+def test_a_connection_holds_at_most_max_sessions(tmp_path) -> None:
+    """Sessions cost memory until closed: one connection may hold ``max_sessions`` (those still being opened on
+    the worker thread count); the next open is ``limit_exceeded``, other connections are not affected, and
+    closing one makes room again."""
+    rules = ClientRules(tokenize_inline_bytes=1024, max_sessions=2)
+    options = ServerOptions("agentserve", SchedulerConfig(), limits=ServingLimits(clients=rules))
+    with serving(tmp_path, options=options) as (endpoint, _, _), AgentClient(endpoint) as client, \
+            AgentClient(endpoint) as other:
+        first = client.session(system="x" * 4096)  # rendered on the worker thread
+        client.session(system="sys")
+        with pytest.raises(LimitExceeded, match="limits.clients.max_sessions"):
+            client.session(system="one too many")
+        other.session(system="another connection").close()
+        first.close()
+        client.session(system="room again").close()
