@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from agentserve.gateway.conversations import ConversationMap, chain
 from agentserve.gateway.messages import Canonical
 
@@ -56,3 +59,44 @@ def test_idle_completion_sessions_are_closed_too() -> None:
     now[0] = 700.0
     assert m.sweep() == 1 and closed == ["s0"] and len(m) == 1
     assert m.take([4, 5, 6]) == ("s1", 2) and m.sweep() == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=6), max_size=12), st.lists(st.integers(0, 3), max_size=7))
+def test_the_token_map_takes_the_longest_filed_strict_prefix(filed: list[list[int]], prompt: list[int]) -> None:
+    """Against the obvious search: every filed sequence that is a strict prefix of the prompt, the longest."""
+    from agentserve.gateway.token_conversations import TokenConversationMap
+
+    m = TokenConversationMap(capacity=64)
+    for i, tokens in enumerate(filed):
+        m.file(tokens, i)
+    latest = {tuple(t): i for i, t in enumerate(filed)}  # filing the same tokens again replaces the session
+    prefixes = [t for t in latest if len(t) < len(prompt) and list(t) == prompt[: len(t)]]
+    expected = None if not prefixes else (latest[max(prefixes, key=len)], len(max(prefixes, key=len)))
+    assert m.take(prompt) == expected
+    assert len(m) == len(latest) - (expected is not None)
+
+
+def test_a_token_map_lookup_hashes_the_prompt_once() -> None:
+    """4,096 sessions of distinct lengths, each parting from an 8k-token prompt at its last token, and one that
+    is a prefix: the lookup hashes the prompt once, not a prefix for each filed length. Counted, not timed."""
+    from agentserve.gateway import token_conversations as tc
+
+    prompt = list(range(8192))
+    m = tc.TokenConversationMap()
+    for n in range(1, 4097):
+        m.file([*prompt[: n - 1], 9999], n)
+    m.file(prompt[:5000], "hit")
+    passes = [0]
+    real = tc._prefix_keys
+
+    def counted(tokens, lengths):
+        passes[0] += 1
+        return real(tokens, lengths)
+
+    tc._prefix_keys = counted
+    try:
+        assert m.take(prompt) == ("hit", 5000)
+    finally:
+        tc._prefix_keys = real
+    assert passes[0] == 1
