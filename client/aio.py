@@ -14,8 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
-from functools import partial
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Unpack
 
 import zmq
@@ -27,11 +26,11 @@ from agentserve.client.requests import MessageLike, TurnOptions, open_request
 from agentserve.client.transport import ClientBase, SessionBase
 from agentserve.protocol.client_messages import (
     Abort,
-    CloseSession,
     GetStats,
     SessionClosed,
     SessionOpened,
     StatsReply,
+    Turn,
     Welcome,
 )
 
@@ -82,8 +81,12 @@ class AsyncAgentClient(ClientBase):
             except ProtocolViolation as e:
                 log.warning("%s", e)
                 continue
-            if event is not None and event.req in self._queues:
+            if event is None:
+                continue
+            if event.req in self._queues:
                 self._queues[event.req].put_nowait(event)
+            else:
+                self._unclaimed(event)
 
     async def _read_monitor(self) -> None:
         while True:
@@ -117,16 +120,21 @@ class AsyncAgentClient(ClientBase):
             self._link.check_epoch(self._sent_epoch[req], req)
         return event
 
-    def _forget(self, req: int) -> None:
-        self._queues.pop(req, None)
+    def _forget(self, req: int) -> list[Any]:
+        """Stop routing events to ``req``; returns those that came for it unread."""
         self._sent_epoch.pop(req, None)
+        queue = self._queues.pop(req, None)
+        unread = [queue.get_nowait() for _ in range(queue.qsize())] if queue is not None else []
+        return [event for event in unread if event is not _DROPPED]
 
     async def _call(self, msg: Any, expect: type) -> Any:
         await self._send(msg)
         try:
             event = await self._recv(msg.req, self.timeout)
-        finally:
-            self._forget(msg.req)
+        except BaseException:  # cancelled, timed out: no await before _give_up, so no answer slips past both
+            self._give_up(msg, self._forget(msg.req))
+            raise
+        self._forget(msg.req)
         return self._expect(event, expect, msg.req)
 
     # ---- API ---------------------------------------------------------------------------------
@@ -139,17 +147,9 @@ class AsyncAgentClient(ClientBase):
         name: str = "",
         parse_tool_calls: bool = True,
     ) -> AsyncSession:
+        """Open a session.  Cancelled or timed out before its ``SessionOpened`` came, it is closed once that comes."""
         req = open_request(self._next_req(), system, tools, name, parse_tool_calls)
-        opening = asyncio.ensure_future(self._call(req, SessionOpened))
-        try:
-            return AsyncSession(self, await asyncio.shield(opening))
-        except asyncio.CancelledError:  # the server opens it anyway: close it once it has, not leave it open
-            opening.add_done_callback(self._close_when_opened)
-            raise
-
-    def _close_when_opened(self, opening: asyncio.Future[Any]) -> None:
-        if not opening.cancelled() and opening.exception() is None:
-            self._send_nowait(CloseSession(self._next_req(), opening.result().session))
+        return AsyncSession(self, await self._call(req, SessionOpened))
 
     async def stats(self) -> bytes:
         return (await self._call(GetStats(self._next_req()), StatsReply)).snapshot
@@ -180,14 +180,11 @@ class AsyncSession(SessionBase):
     def turn(
         self, messages: str | Iterable[MessageLike] | None = None, **options: Unpack[TurnOptions]
     ) -> AsyncTurnStream:
-        """Prepare a turn; it is sent when the stream is first iterated or collected.
-
-        An unfinished previous turn of this session is aborted first.
+        """Prepare a turn; it is sent, with the tool results queued by then, when the stream is first iterated or
+        collected (a stream never iterated takes none).  An unfinished previous turn of this session is aborted first.
         """
-        req = self.client._next_req()
-        request = self._state.turn_request(req, messages, **options)
-        restore = partial(self._state.restore, self._state.carried)  # this turn's own, whenever it fails
-        stream = AsyncTurnStream(self, req, request, self._active, restore)
+        request = self._state.new_turn(self.client._next_req(), messages, **options)
+        stream = AsyncTurnStream(self, request, self._active)
         self._active = stream
         return stream
 
@@ -210,25 +207,26 @@ class AsyncSession(SessionBase):
 
 
 class AsyncTurnStream(TurnCore):
-    def __init__(self, session: AsyncSession, req: int, request: Any, prev: AsyncTurnStream | None,
-                 on_error: Callable[[], None] | None = None) -> None:
-        super().__init__(req, on_error)
+    def __init__(self, session: AsyncSession, request: Turn, prev: AsyncTurnStream | None) -> None:
+        super().__init__(request.req)
         self.session = session
-        self._request: Any = request  # None once sent
+        self._request: Turn | None = request  # None once sent
         self._prev = prev
 
     async def _start(self) -> None:
-        if self._request is not None:
-            request, self._request = self._request, None
-            if self._prev is not None:
-                await self._prev.close()
-                self._prev = None
-            try:
-                await self.session.client._send(request)
-            except BaseException:
-                if self._on_error is not None:
-                    self._on_error()
-                raise
+        """Send the turn on first use: the previous one ends first, then the tool results queued now go with it."""
+        if self._request is None:
+            return
+        if self._prev is not None:
+            prev, self._prev = self._prev, None
+            await prev.close()
+        request, self._request = self._request, None
+        restore = self._on_error = self.session._state.carry(request)  # its own results, whenever it fails
+        try:
+            await self.session.client._send(request)
+        except BaseException:
+            restore()
+            raise
 
     async def __aiter__(self) -> AsyncIterator[TurnEvent]:
         client = self.session.client

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any, TypedDict
 
 from agentserve.protocol.client_messages import (
@@ -64,14 +65,13 @@ class SessionState:
     def __init__(self, session_id: int) -> None:
         self.id = session_id
         self.pending: list[Message] = []
-        self.carried: list[Message] = []  # the tool results of the turn built last (its stream keeps its own)
         self.closed = False
 
     def tool_result(self, call_id: str, content: Any, name: str = "") -> None:
         text = content if isinstance(content, str) else repr(content)
         self.pending.append(Message(role="tool", content=text, tool_call_id=call_id, name=name))
 
-    def turn_request(
+    def new_turn(
         self,
         req: int,
         messages: str | Iterable[MessageLike] | None = None,
@@ -80,21 +80,26 @@ class SessionState:
         stop: Iterable[str] | None = None,
         **sampling: Any,
     ) -> Turn:
-        """A :class:`Turn` carrying the queued tool results, then ``messages`` (a str is a user message)."""
+        """A :class:`Turn` of ``messages`` (a str is a user message); the queued tool results go in at :meth:`carry`."""
         if isinstance(messages, str):
             msgs = [Message(role="user", content=messages)]
         else:
             msgs = [to_message(m) for m in messages or ()]
-        turn = Turn(
+        return Turn(
             req=req,
             session=self.id,
-            messages=self.pending + msgs,
+            messages=msgs,
             token_ids=list(token_ids or ()),
             stop=list(stop or ()),
             **sampling,
         )
-        self.carried, self.pending = self.pending, []
-        return turn
+
+    def carry(self, turn: Turn) -> Callable[[], None]:
+        """Move the queued tool results in front of ``turn``'s messages, as it is sent (a turn never sent takes
+        none); returns what queues them again should that turn fail."""
+        carried, self.pending = self.pending, []
+        turn.messages = carried + turn.messages
+        return partial(self.restore, carried)
 
     def restore(self, results: list[Message]) -> None:
         """A turn that carried ``results`` ended in an error (the server keeps no part of it): they wait again."""

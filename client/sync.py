@@ -11,7 +11,6 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from functools import partial
 from typing import Any, Unpack
 
 import zmq
@@ -87,8 +86,12 @@ class AgentClient(ClientBase):
             except zmq.Again:
                 return
             event = self._link.decode(payload)
-            if event is not None and event.req in self._inbox:  # others: late events of finished reqs
+            if event is None:
+                continue
+            if event.req in self._inbox:
                 self._inbox[event.req].append(event)
+            else:
+                self._unclaimed(event)
 
     def _recv(self, req: int, timeout: float) -> Any:
         """The next event for ``req``; raises on timeout or when the connection dropped."""
@@ -106,16 +109,19 @@ class AgentClient(ClientBase):
                 self._drain_monitor()
         return inbox.popleft()
 
-    def _forget(self, req: int) -> None:
-        self._inbox.pop(req, None)
+    def _forget(self, req: int) -> list[Any]:
+        """Stop routing events to ``req``; returns those that came for it unread."""
         self._sent_epoch.pop(req, None)
+        return list(self._inbox.pop(req, ()))
 
     def _call(self, msg: Any, expect: type) -> Any:
         self._send(msg)
         try:
             event = self._recv(msg.req, self.timeout)
-        finally:
-            self._forget(msg.req)
+        except BaseException:
+            self._give_up(msg, self._forget(msg.req))
+            raise
+        self._forget(msg.req)
         return self._expect(event, expect, msg.req)
 
     # ---- API ---------------------------------------------------------------------------------
@@ -128,7 +134,11 @@ class AgentClient(ClientBase):
         name: str = "",
         parse_tool_calls: bool = True,
     ) -> Session:
-        """Open a session: a conversation whose KV the server keeps between turns."""
+        """Open a session: a conversation whose KV the server keeps between turns.
+
+        Given up before its ``SessionOpened`` came (Ctrl-C, a timeout), the session is closed once that comes:
+        there is no background reader, so when this client next reads (any later request or turn).
+        """
         opened = self._call(open_request(self._next_req(), system, tools, name, parse_tool_calls), SessionOpened)
         return Session(self, opened)
 
@@ -164,8 +174,8 @@ class Session(SessionBase):
         if self._active is not None:
             self._active.close()
         req = self.client._next_req()
-        request = self._state.turn_request(req, messages, **options)
-        restore = partial(self._state.restore, self._state.carried)
+        request = self._state.new_turn(req, messages, **options)
+        restore = self._state.carry(request)  # sent now: the queued tool results go with it
         try:
             self.client._send(request)
         except BaseException:

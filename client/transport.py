@@ -9,6 +9,7 @@ server are liveness probes and are dropped here.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import zmq
@@ -22,6 +23,7 @@ from agentserve.protocol.client_messages import (
     CloseSession,
     Error,
     Hello,
+    OpenSession,
     ProtocolError,
     SessionOpened,
 )
@@ -97,6 +99,29 @@ class ClientBase:
         self._link = Link(self.endpoint)
         self._sent_epoch: dict[int, int] = {}
         self._next_req = ReqCounter()
+        self._given_up_opens: set[int] = set()  # reqs of opens whose answer nobody waits for any more
+
+    def _send_nowait(self, msg: Any) -> None:
+        """Send ``msg`` if the socket takes it now, expecting no reply; never raises (best effort)."""
+        raise NotImplementedError
+
+    def _give_up(self, msg: Any, arrived: Iterable[Any]) -> None:
+        """The caller stopped waiting for ``msg``'s answer (Ctrl-C, a timeout, a cancelled task); ``arrived``: what
+        had come for it unread.  The server opens a session whatever became of the request, so an open's
+        ``SessionOpened`` is answered with a close: now if it is in, else once it comes (:meth:`_unclaimed`)."""
+        if isinstance(msg, OpenSession):
+            self._given_up_opens.add(msg.req)
+            for event in arrived:
+                self._unclaimed(event)
+
+    def _unclaimed(self, event: Any) -> None:
+        """An event of a request nobody waits for: a given-up open's answer closes what it opened; the
+        rest (late events of finished requests) are dropped."""
+        if event.req not in self._given_up_opens:
+            return
+        self._given_up_opens.discard(event.req)
+        if isinstance(event, SessionOpened):
+            self._send_nowait(CloseSession(self._next_req(), event.session))
 
     def _hello(self, name: str) -> Hello:
         return Hello(self._next_req(), PROTOCOL_VERSION, name)

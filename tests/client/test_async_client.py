@@ -15,7 +15,8 @@ from agentserve.client import (
     TextDelta,
     TokenIds,
 )
-from agentserve.protocol.client_messages import FinishReason
+from agentserve.protocol.client_messages import FinishReason, OpenSession
+from agentserve.protocol.stats import decode_snapshot
 
 
 def run(coro):
@@ -105,3 +106,65 @@ def test_server_death_mid_stream(endpoint):
 
     with pytest.raises(ServerDisconnected):
         run(main())
+
+
+def test_a_turn_never_iterated_takes_no_tool_results(server):
+    """Queued tool results go with the turn that is sent, not with one built and dropped unsent."""
+
+    async def main():
+        async with AsyncAgentClient(server.endpoint) as client, await client.session() as s:
+            (call,) = (await s.turn("CALL 1+1").collect()).tool_calls
+            s.tool_result(call.id, "2")
+            s.turn()  # built, never iterated: never sent
+            return (await s.turn().collect()).text
+
+    assert run(main()) == "2"
+    assert [(m.role, m.content) for m in server.turn_requests[-1].messages] == [("tool", "2")]
+
+
+async def _sessions_left(client: AsyncAgentClient) -> list:
+    await client.stats()  # a late SessionOpened is read meanwhile: its close goes before the next request
+    return decode_snapshot(await client.stats()).sessions
+
+
+def test_a_session_cancelled_while_opening_is_closed_once_open(server):
+    async def main():
+        async with AsyncAgentClient(server.endpoint) as client:
+            sent, real = asyncio.Event(), client._send
+
+            async def send(msg, expect_reply=True):
+                await real(msg, expect_reply)
+                if isinstance(msg, OpenSession):
+                    sent.set()
+
+            client._send = send
+            opening = asyncio.create_task(client.session(name="cancelled"))
+            await sent.wait()
+            opening.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await opening
+            return await _sessions_left(client)
+
+    assert run(main()) == []
+
+
+@pytest.mark.parametrize("answered", [False, True], ids=["late", "arrived"])
+def test_a_session_whose_opening_timed_out_is_closed_once_open(server, answered):
+    """A timeout gives the opening up as a cancellation does: the server opened it all the same."""
+
+    async def main():
+        async with AsyncAgentClient(server.endpoint) as client:
+            real = client._recv
+
+            async def timed_out(req: int, timeout: float):
+                if answered:  # its SessionOpened is in, not yet returned
+                    client._queues[req].put_nowait(await real(req, timeout))
+                raise client._link.silent(timeout, req)
+
+            client._recv = timed_out
+            with pytest.raises(ServerUnavailable):
+                await client.session(name="timed-out")
+            client._recv = real
+            return await _sessions_left(client)
+
+    assert run(main()) == []

@@ -101,7 +101,7 @@ def test_second_turn_while_one_runs_is_turn_in_progress(slow_server):
         next(iter(running))
         # bypass Session.turn (it would abort the running turn first): send a raw second turn
         req = client._next_req()
-        client._send(s._state.turn_request(req, "again"))
+        client._send(s._state.new_turn(req, "again"))
         from agentserve.client.sync import TurnStream
 
         with pytest.raises(TurnInProgress):
@@ -179,3 +179,25 @@ def test_client_disconnect_aborts_its_turns_on_the_server(slow_server):
         time.sleep(0.02)
     assert slow_server.aborted == [stream.req]
     assert len(slow_server.table) == 0  # its sessions are gone too
+
+
+@pytest.mark.parametrize("answered", [False, True], ids=["late", "arrived"])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, ServerUnavailable])
+def test_a_session_given_up_while_opening_is_closed_once_open(server, monkeypatch, error, answered):
+    """The server opens a session whatever became of the request: one whose ``opened`` the caller stopped waiting
+    for (Ctrl-C, a timeout) is closed, at once if it had arrived, else when the client next reads it."""
+    with AgentClient(server.endpoint) as client:
+        real = client._recv
+
+        def given_up(req: int, timeout: float):
+            if answered:  # its SessionOpened is in, not yet returned
+                client._inbox[req].append(real(req, timeout))
+            raise error("given up")
+
+        monkeypatch.setattr(client, "_recv", given_up)
+        with pytest.raises(error):
+            client.session(name="given-up")
+        monkeypatch.undo()
+        client.stats()  # its SessionOpened, if late, is read meanwhile: the close goes before the next request
+        assert decode_snapshot(client.stats()).sessions == []
+        assert client.session(name="kept").turn("ok").collect().text == "ok"

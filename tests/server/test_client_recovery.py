@@ -78,17 +78,15 @@ def test_tool_results_a_failed_turn_carried_go_with_the_retry(tmp_path) -> None:
 
 
 def test_each_failed_turn_puts_back_only_its_own_tool_results() -> None:
-    """The async SDK builds turn B before it closes turn A: if A then fails, A's results (not B's) wait again."""
-    from functools import partial
-
+    """Turn B may be sent before turn A has failed: if A then fails, A's results (not B's) wait again."""
     from agentserve.client.requests import SessionState
 
     state = SessionState(1)
     state.tool_result("a", "RA")
-    state.turn_request(1)
-    restore_a = partial(state.restore, state.carried)
+    restore_a = state.carry(state.new_turn(1))
     state.tool_result("b", "RB")
-    b = state.turn_request(2)
+    b = state.new_turn(2)
+    state.carry(b)
     assert [m.content for m in b.messages] == ["RB"]
     restore_a()
     assert [m.content for m in state.pending] == ["RA"]
