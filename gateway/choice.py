@@ -8,7 +8,6 @@ which frees its KV at once.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +18,7 @@ from agentserve.gateway.errors import from_client_error
 from agentserve.gateway.logprobs import LogprobLog
 from agentserve.gateway.messages import Canonical, canonical_args
 from agentserve.gateway.reply_stream import Delta, ReplyStreamer
+from agentserve.gateway.turn_timer import TurnTimer, count_abandoned
 from agentserve.protocol.client_messages import FinishReason
 
 
@@ -32,10 +32,7 @@ class ChoiceRun:
         self.session: Any = None
         self.resumed = False
         self.done: Done | None = None
-        self.t_arrival = time.monotonic()
-        self.t_first: float | None = None
-        self._t_server: float | None = None
-        self.gaps: list[float] = []  # seconds between consecutive tokens (the orchestrator's clock)
+        self.timer = TurnTimer()
         self._events: AsyncIterator[Any] | None = None
         self._first: Any = None
 
@@ -90,20 +87,12 @@ class ChoiceRun:
         self._file()
 
     def _observe(self) -> None:
-        metrics = self.backend.metrics
-        if metrics is None or self.done is None:
-            return
-        ttft = self.t_first - self.t_arrival if self.t_first is not None else None
-        reason = "abort" if self.done.finish == FinishReason.ABORT else self.finish_reason
-        metrics.on_turn(self.done, ttft, self.gaps, time.monotonic() - self.t_arrival, self.resumed, reason)
+        reason = "abort" if self.done is not None and self.done.finish == FinishReason.ABORT else self.finish_reason
+        self.timer.observe(self.backend.metrics, self.done, self.resumed, reason)
 
     def _on(self, event: Any) -> list[Delta]:
         if isinstance(event, TokenIds):
-            now = time.monotonic()
-            self.t_first = self.t_first or now
-            if self._t_server is not None and event.token_ids:
-                self.gaps.append(event.t_server - self._t_server)
-            self._t_server = event.t_server if event.token_ids else self._t_server
+            self.timer.on_tokens(event)
             if self.logprobs is not None:
                 self.logprobs.add(event)
         elif isinstance(event, TextDelta):
@@ -136,10 +125,9 @@ class ChoiceRun:
     def abandon(self) -> None:
         """The client went away or the turn failed: close the session (aborts a running turn, frees KV)."""
         session, self.session = self.session, None
+        count_abandoned(self.backend.metrics, session)
         if session is not None:
             self.backend.close_later(session)
-            if self.backend.metrics is not None:
-                self.backend.metrics.success.labels(finished_reason="abort").inc()
 
     def logprobs_object(self, stream: bool) -> dict[str, Any] | None:
         """The choice's ``logprobs``: in a stream, of the tokens not sent yet; else of all its tokens."""

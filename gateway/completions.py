@@ -25,6 +25,7 @@ from agentserve.gateway.chat_plan import sampling_options
 from agentserve.gateway.errors import APIError, bad_request, from_client_error
 from agentserve.gateway.logprobs import LogprobLog, completion_options
 from agentserve.gateway.schemas import CompletionRequest, decode_body
+from agentserve.gateway.turn_timer import TurnTimer, count_abandoned
 from agentserve.gateway.usage import usage_object
 from agentserve.protocol.client_messages import FinishReason
 
@@ -62,6 +63,8 @@ class CompletionRun:
         self.output: list[int] = []
         self.text = ""
         self.logprobs = LogprobLog(backend.require()[2]) if options.get("logprobs") else None
+        self.resumed = False
+        self.timer = TurnTimer()
         self._events: Any = None
         self._first: Any = None
 
@@ -70,6 +73,7 @@ class CompletionRun:
         taken = self.backend.token_conversations.take(self.prompt)
         if taken is not None:
             self.session, held = taken
+            self.resumed = True
             new = self.prompt[held:]
         else:
             try:
@@ -89,6 +93,7 @@ class CompletionRun:
         try:
             while True:
                 if isinstance(event, TokenIds):
+                    self.timer.on_tokens(event)
                     self.output += event.token_ids
                     if self.logprobs is not None:
                         self.logprobs.add(event)
@@ -104,7 +109,9 @@ class CompletionRun:
             self.abandon()
             raise from_client_error(e) from None
         session, self.session = self.session, None
-        if self.done.finish == FinishReason.ABORT:
+        aborted = self.done.finish == FinishReason.ABORT
+        self.timer.observe(self.backend.metrics, self.done, self.resumed, "abort" if aborted else self.finish_reason)
+        if aborted:
             self.backend.close_later(session)
         else:
             self.backend.token_conversations.file(self.prompt + self._kept_output(), session)
@@ -119,6 +126,7 @@ class CompletionRun:
 
     def abandon(self) -> None:
         session, self.session = self.session, None
+        count_abandoned(self.backend.metrics, session)
         if session is not None:
             self.backend.close_later(session)
 

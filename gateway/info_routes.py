@@ -47,5 +47,6 @@ async def metrics(request: Request) -> Response:
     if backend.metrics is None:
         raise unavailable("the gateway is still connecting to the orchestrator")
     with contextlib.suppress(AgentServeError, TimeoutError):
-        backend.metrics.on_snapshot(await backend.stats(timeout=1.0), len(backend.conversations))
+        filed = len(backend.conversations) + len(backend.token_conversations)
+        backend.metrics.on_snapshot(await backend.stats(timeout=1.0), filed)
     return Response(backend.metrics.render(), media_type=CONTENT_TYPE_LATEST)

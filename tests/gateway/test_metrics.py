@@ -112,3 +112,28 @@ def test_top_shows_the_gateway(http_server, openai_client) -> None:
     assert snap["server"]["http"] == http_server.url
     gateway = snap["gateway"]
     assert gateway["reachable"] and gateway["url"] == http_server.url and gateway["requests_total"] >= 1
+
+
+def test_completions_are_counted_like_chat(http_server, openai_client) -> None:
+    """`/v1/completions` turns feed the same request metrics, a continued token prompt under `resume`."""
+    before = scrape(http_server.url)
+    r1 = openai_client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=3, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    prompt = [5, 6, 7, 8, *r1.choices[0].token_ids, 9]
+    openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    after = scrape(http_server.url)
+
+    def grew(name: str, sample: str, **labels: str) -> float:
+        family = f"vllm:{name}"
+        return value(after, family, family + sample, **labels) - value(before, family, family + sample, **labels)
+
+    assert grew("generation_tokens", "_total") == 7
+    assert grew("prompt_tokens", "_total") == 4 + len(prompt)
+    assert grew("e2e_request_latency_seconds", "_count") == 2
+    assert grew("inter_token_latency_seconds", "_count") == 2 + 3
+    assert grew("request_success", "_total", finished_reason="length") == 2
+    assert value(after, "agentserve:conversation_map_sessions", "agentserve:conversation_map_sessions") >= 1
+    by_class = "agentserve:time_to_first_token_by_class_seconds"
+    for cls in ("cold", "resume"):
+        assert value(after, by_class, by_class + "_count", **{"class": cls}) - value(
+            before, by_class, by_class + "_count", **{"class": cls}) == 1, cls

@@ -49,7 +49,7 @@ def test_a_completion_ending_in_eos_is_filed_under_the_tokens_its_session_holds(
     from agentserve.protocol.client_messages import FinishReason, Timings, Usage
 
     eos = 258
-    backend = SimpleNamespace(token_conversations=TokenConversationMap(), close_later=lambda s: None,
+    backend = SimpleNamespace(token_conversations=TokenConversationMap(), close_later=lambda s: None, metrics=None,
                               require=lambda: (None, SimpleNamespace(eos_token_ids=[eos]), None))
     prompt, output = [5, 6, 7], [11, 12, eos]
     run = CompletionRun(backend, prompt, {})
