@@ -26,6 +26,7 @@ class ClientRules:
     probe_interval_s: float = 1.0
     tokenize_inline_bytes: int = 65536
     max_sessions: int = 16384
+    max_tokenizing_bytes: int = 64 * 2**20
 
 
 @dataclass(frozen=True, slots=True)

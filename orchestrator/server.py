@@ -345,8 +345,9 @@ class Server:
         rec = SessionRecord(self.sessions.new_id(), client, msg.options.name, conv, msg.options.parse_tool_calls)
         size = len(msg.system) + (len(msgspec.msgpack.encode(msg.tools)) if msg.tools else 0)
         if size > self.options.limits.clients.tokenize_inline_bytes:
+            self._check_worker_room(client, size, msg.req)
             self.sessions.add(rec)  # announced when the worker has rendered it
-            self.worker.submit(("open", rec.session, msg), conv.system_tokens)
+            self.worker.submit(("open", rec.session, msg), conv.system_tokens, client, size)
             return
         self._opened(rec, msg, self._system_tokens(msg, conv.system_tokens))
 
@@ -365,11 +366,22 @@ class Server:
         rec = self.sessions.idle(client, msg.session, msg.req)
         self._check_turn(rec, msg)
         arrival = self.clock()
-        if rec.conversation.text_to_tokenize(msg) > self.options.limits.clients.tokenize_inline_bytes:
+        size = rec.conversation.text_to_tokenize(msg)
+        if size > self.options.limits.clients.tokenize_inline_bytes:
+            self._check_worker_room(client, size, msg.req, rec.session)
             rec.preparing = msg.req
-            self.worker.submit(("turn", rec.session, msg, arrival), partial(rec.conversation.prompt_for, msg))
+            job = partial(rec.conversation.prompt_for, msg)
+            self.worker.submit(("turn", rec.session, msg, arrival), job, client, size)
             return
         self._start_turn(rec, msg, self._build(rec, msg, rec.conversation.prompt_for), arrival)
+
+    def _check_worker_room(self, client: bytes, size: int, req: int, session: int = 0) -> None:
+        """One connection's text waiting for the worker thread is bounded (a job alone always fits)."""
+        held, bound = self.worker.held(client), self.options.limits.clients.max_tokenizing_bytes
+        if held and held + size > bound:
+            why = (f"this connection has {held} bytes waiting to be tokenised; {size} more exceed the limit of {bound} "
+                   "(limits.clients.max_tokenizing_bytes): retry once its earlier requests have started")
+            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, why, req, session)
 
     def _check_turn(self, rec: SessionRecord, msg: Turn) -> None:
         if self.restarting:

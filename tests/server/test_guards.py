@@ -133,3 +133,27 @@ def test_a_connection_holds_at_most_max_sessions(tmp_path) -> None:
         other.session(system="another connection").close()
         first.close()
         client.session(system="room again").close()
+
+
+def test_text_waiting_for_the_worker_thread_is_bounded_per_connection(tmp_path, monkeypatch) -> None:
+    """Large prompts queue for the one worker thread; one connection's waiting text is bounded, so a client cannot
+    pile up gigabytes there (the next is ``limit_exceeded``, to retry); other connections are not affected."""
+    rules = ClientRules(tokenize_inline_bytes=1024, max_tokenizing_bytes=5000)
+    options = ServerOptions("agentserve", SchedulerConfig(), limits=ServingLimits(clients=rules))
+    gate, real = threading.Event(), Conversation.prompt_for
+
+    def held_back(self, turn):
+        gate.wait(30)
+        return real(self, turn)
+
+    monkeypatch.setattr(Conversation, "prompt_for", held_back)
+    with serving(tmp_path, options=options) as (endpoint, _, _), AgentClient(endpoint) as client, \
+            AgentClient(endpoint) as other:
+        first, second = client.session(), client.session()
+        waiting = first.turn("x" * 3000, max_tokens=1, ignore_eos=True)  # held on the worker thread
+        with pytest.raises(LimitExceeded, match="limits.clients.max_tokenizing_bytes"):
+            second.turn("y" * 3000, max_tokens=1, ignore_eos=True).collect()
+        elsewhere = other.session().turn("z" * 3000, max_tokens=1, ignore_eos=True)
+        gate.set()
+        assert waiting.collect().token_ids == [TOKEN] and elsewhere.collect().token_ids == [TOKEN]
+        assert second.turn("y" * 3000, max_tokens=1, ignore_eos=True).collect().token_ids == [TOKEN]
