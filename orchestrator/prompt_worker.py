@@ -23,7 +23,7 @@ from agentserve.orchestrator.wake_queue import WakeQueue
 class Done:
     key: Any
     result: Any = None
-    error: BaseException | None = None
+    error: Exception | None = None
     owner: bytes = b""
     size: int = 0
 
@@ -74,6 +74,9 @@ class PromptWorker:
                 done = Done(key, result=job(), owner=owner, size=size)
             except Exception as e:  # noqa: BLE001 - the loop turns it into the client's error
                 done = Done(key, error=e, owner=owner, size=size)
+            except BaseException as e:  # noqa: BLE001 - a tokenizer's panic (pyo3's PanicException): the same, as a
+                # plain error, and this thread lives on for the next job
+                done = Done(key, error=RuntimeError(f"{type(e).__name__}: {e}"), owner=owner, size=size)
             self._done.post(done)
 
     def close(self) -> None:
