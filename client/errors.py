@@ -50,9 +50,15 @@ class InvalidSampling(AgentServeError):
 
 
 class LimitExceeded(InvalidRequest):
-    """A frame or field over one of the server's bounds (``configs/limits.toml``); the message names it."""
+    """A request over one of the server's bounds (``configs/limits.toml``); the message names it."""
 
     code = ErrorCode.LIMIT_EXCEEDED
+
+
+class ServerBusy(AgentServeError):
+    """A bounded backlog of this connection is full for now (the message names the limit): retry shortly."""
+
+    code = ErrorCode.BUSY
 
 
 class TurnAborted(AgentServeError):
@@ -97,6 +103,7 @@ _BY_CODE: dict[ErrorCode, type[AgentServeError]] = {
         TurnInProgress,
         InvalidSampling,
         LimitExceeded,
+        ServerBusy,
         TurnAborted,
         ExecutorFailed,
         ServerShutdown,

@@ -15,6 +15,7 @@ from agentserve.client.errors import (
     InvalidRequest,
     InvalidSampling,
     PromptTooLong,
+    ServerBusy,
     ServerShutdown,
     ServerUnavailable,
     TurnAborted,
@@ -67,6 +68,7 @@ _STATUS: list[tuple[type[AgentServeError], int, str]] = [
     (InvalidRequest, 400, "invalid_request_error"),
     (InvalidSampling, 400, "invalid_request_error"),
     (TurnInProgress, 409, "invalid_request_error"),
+    (ServerBusy, 503, "server_error"),  # transient: the OpenAI SDKs retry it
     (TurnAborted, 500, "server_error"),
     (ExecutorFailed, 503, "server_error"),
     (ServerShutdown, 503, "server_error"),

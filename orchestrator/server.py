@@ -381,7 +381,7 @@ class Server:
         if held and held + size > bound:
             why = (f"this connection has {held} bytes waiting to be tokenised; {size} more exceed the limit of {bound} "
                    "(limits.clients.max_tokenizing_bytes): retry once its earlier requests have started")
-            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, why, req, session)
+            raise ProtocolError(ErrorCode.BUSY, why, req, session)
 
     def _check_turn(self, rec: SessionRecord, msg: Turn) -> None:
         if self.restarting:

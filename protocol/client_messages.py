@@ -53,7 +53,8 @@ class ErrorCode(enum.StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"  # the session's context would exceed max_model_len
     TURN_IN_PROGRESS = "turn_in_progress"  # a session runs one turn at a time
     INVALID_SAMPLING = "invalid_sampling"
-    LIMIT_EXCEEDED = "limit_exceeded"  # a frame or field over a bound of configs/limits.toml (named in the message)
+    LIMIT_EXCEEDED = "limit_exceeded"  # over a bound of configs/limits.toml (named in the message)
+    BUSY = "busy"  # a bounded backlog of this connection is full for now (named in the message): retry shortly
     ABORTED = "aborted"  # the server dropped the turn (the client's own Abort ends in TurnDone)
     EXECUTOR_FAILED = "executor_failed"
     SERVER_SHUTDOWN = "server_shutdown"

@@ -106,3 +106,19 @@ def test_tool_call_arguments_past_64_bits_are_carried_as_floats(http, number) ->
             "name": "add", "arguments": '{"a": ' + number + "}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "3"}], "max_tokens": 2}
     assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_every_server_error_code_has_its_http_answer() -> None:
+    """The HTTP client's input is a 4xx; what the server side cannot do now (busy, restarting, stopping) a 503 the
+    OpenAI SDKs retry; the rest (the gateway's own wire, a bug) a 500."""
+    from agentserve.client.errors import _BY_CODE
+    from agentserve.gateway.errors import from_client_error
+    from agentserve.protocol.client_messages import ErrorCode as C
+
+    client_side = {C.INVALID_REQUEST, C.PROMPT_TOO_LONG, C.TURN_IN_PROGRESS, C.INVALID_SAMPLING, C.LIMIT_EXCEEDED}
+    retried = {C.BUSY, C.EXECUTOR_FAILED, C.SERVER_SHUTDOWN}
+    assert set(_BY_CODE) == set(C)
+    for code, cls in _BY_CODE.items():
+        status = from_client_error(cls("x")).status
+        expected = "4xx" if code in client_side else 503 if code in retried else 500
+        assert (f"{status // 100}xx" if expected == "4xx" else status) == expected, code

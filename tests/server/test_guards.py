@@ -14,7 +14,7 @@ import time
 import pytest
 from server_harness import TOKEN, serving, wait_until
 
-from agentserve.client import AgentClient, InternalError, LimitExceeded, PromptTooLong
+from agentserve.client import AgentClient, InternalError, LimitExceeded, PromptTooLong, ServerBusy
 from agentserve.orchestrator.conversation import Conversation
 from agentserve.orchestrator.limits import ClientRules, ServingLimits
 from agentserve.orchestrator.running_turn import RunningTurn
@@ -137,7 +137,7 @@ def test_a_connection_holds_at_most_max_sessions(tmp_path) -> None:
 
 def test_text_waiting_for_the_worker_thread_is_bounded_per_connection(tmp_path, monkeypatch) -> None:
     """Large prompts queue for the one worker thread; one connection's waiting text is bounded, so a client cannot
-    pile up gigabytes there (the next is ``limit_exceeded``, to retry); other connections are not affected."""
+    pile up gigabytes there (the next is ``busy``, to retry); other connections are not affected."""
     rules = ClientRules(tokenize_inline_bytes=1024, max_tokenizing_bytes=5000)
     options = ServerOptions("agentserve", SchedulerConfig(), limits=ServingLimits(clients=rules))
     gate, real = threading.Event(), Conversation.prompt_for
@@ -151,7 +151,7 @@ def test_text_waiting_for_the_worker_thread_is_bounded_per_connection(tmp_path, 
             AgentClient(endpoint) as other:
         first, second = client.session(), client.session()
         waiting = first.turn("x" * 3000, max_tokens=1, ignore_eos=True)  # held on the worker thread
-        with pytest.raises(LimitExceeded, match="limits.clients.max_tokenizing_bytes"):
+        with pytest.raises(ServerBusy, match="limits.clients.max_tokenizing_bytes"):
             second.turn("y" * 3000, max_tokens=1, ignore_eos=True).collect()
         elsewhere = other.session().turn("z" * 3000, max_tokens=1, ignore_eos=True)
         gate.set()
