@@ -85,7 +85,8 @@ class CompletionRun:
         try:
             self._first = await self._events.__anext__()
         except AgentServeError as e:
-            self.abandon()
+            session, self.session = self.session, None  # refused before it started: not counted as an abort
+            self.backend.close_later(session)
             raise from_client_error(e) from None
 
     async def events(self) -> AsyncIterator[Any]:

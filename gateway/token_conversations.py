@@ -90,7 +90,7 @@ def _end(tokens: list[int], n: int) -> int:
 
 def _prefix_keys(tokens: list[int], lengths: list[int]) -> list[Key]:
     """The key of ``tokens[:n]`` for each ``n`` of the ascending ``lengths`` (each at most ``len(tokens)``)."""
-    data = memoryview(array("q", tokens)).cast("B")  # ids are >= 0 and under 2**63 (the gateway checks)
+    data = memoryview(array("Q", tokens)).cast("B")  # ids >= 0 (prompt_ids checks) of 64 bits (JSON decoding's)
     width = data.itemsize * 8
     running, done, keys = hashlib.blake2b(digest_size=16), 0, []
     for n in lengths:

@@ -53,8 +53,10 @@ def test_bad_prompts_are_400(openai_client, prompt) -> None:
         openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
 
 
-def test_out_of_vocabulary_ids_are_400(http) -> None:
-    assert http.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 2}).status_code == 400
+@pytest.mark.parametrize("token", [10**6, 2**63, 2**64 - 1])
+def test_out_of_vocabulary_ids_are_400(http, token) -> None:
+    r = http.post("/v1/completions", json={"prompt": [token], "max_tokens": 2})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path", ["/tokenize", "/v1/completions"])

@@ -137,3 +137,15 @@ def test_completions_are_counted_like_chat(http_server, openai_client) -> None:
     for cls in ("cold", "resume"):
         assert value(after, by_class, by_class + "_count", **{"class": cls}) - value(
             before, by_class, by_class + "_count", **{"class": cls}) == 1, cls
+
+
+def test_a_refused_turn_is_not_counted_as_an_abort(http_server, http) -> None:
+    """A turn the orchestrator refuses before it starts is an HTTP error, not a finished request: neither endpoint
+    counts it under `request_success{finished_reason="abort"}`."""
+    ok = "agentserve:request_success"
+    before = value(scrape(http_server.url), ok, ok + "_total", finished_reason="abort")
+    assert http.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 2}).status_code == 400
+    body = {"messages": [{"role": "user", "content": "many words " * 20_000}], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_long"
+    assert value(scrape(http_server.url), ok, ok + "_total", finished_reason="abort") == before
