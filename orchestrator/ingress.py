@@ -33,6 +33,7 @@ import errno
 import logging
 import os
 import socket
+import stat
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -73,9 +74,13 @@ Request = ClientMessage | ClientGone
 
 
 def _refuse_live_ipc(path: str) -> None:
-    """libzmq silently replaces an existing ipc socket file: refuse if a server listens there."""
-    if not os.path.exists(path):
+    """libzmq silently replaces an existing file: refuse anything but a socket, and a socket a server listens on."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(mode):
+        raise EndpointError(f"{path} exists and is not a socket; refusing to replace it")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
@@ -135,7 +140,7 @@ class Ingress:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 _refuse_live_ipc(str(path))
             sock.bind(endpoint)
-        except (zmq.ZMQError, EndpointError) as e:
+        except (zmq.ZMQError, EndpointError, OSError) as e:  # OSError: its folder cannot be made
             sock.close(linger=0)
             if self._own_ctx:
                 self._ctx.term()

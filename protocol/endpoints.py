@@ -57,8 +57,8 @@ def check_bind(endpoint: str, *, allow_remote: bool = False) -> str:
         return endpoint
     if endpoint.startswith(TCP_PREFIX):
         host, sep, port = endpoint[len(TCP_PREFIX) :].rpartition(":")
-        if not sep or not (port.isdigit() or port == "*") or not host:
-            raise EndpointError(f"tcp endpoint must be tcp://HOST:PORT (PORT may be *), got {endpoint!r}")
+        if not sep or not (port == "*" or port.isdigit() and int(port) < 65536) or not host:
+            raise EndpointError(f"tcp endpoint must be tcp://HOST:PORT (PORT 0-65535 or *), got {endpoint!r}")
         if not _is_loopback(host) and not allow_remote:
             raise EndpointError(
                 f"refusing to bind {endpoint!r}: it is not a loopback address and the protocol has no "

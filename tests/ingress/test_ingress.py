@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -190,12 +191,28 @@ def test_ipc_socket_file_is_removed_on_close(tmp_path):
 
 def test_stale_socket_file_is_replaced_but_a_live_one_is_refused(tmp_path):
     path = tmp_path / "y.sock"
-    path.write_bytes(b"")  # a leftover of a dead run
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))  # a leftover of a dead run: a socket file nobody listens on
+    dead.close()
     with Ingress(f"ipc://{path}"):
         with pytest.raises(EndpointError, match="already listening"):
             Ingress(f"ipc://{path}")
         assert path.exists()  # the live server keeps its socket
     assert not path.exists()
+
+
+def test_an_ipc_path_that_is_not_a_socket_is_left_alone(tmp_path):
+    """libzmq would replace whatever is there: a file or folder at the path is refused, never deleted."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("data")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for path in (precious, folder):
+        with pytest.raises(EndpointError, match="is not a socket"):
+            Ingress(f"ipc://{path}")
+    assert precious.read_text() == "data" and folder.is_dir()
+    with pytest.raises(EndpointError, match="cannot bind"):  # its folder cannot be made: a clear error
+        Ingress(f"ipc://{precious}/under/a/file.sock")
 
 
 def test_tcp_loopback_binds_with_a_wildcard_port():
@@ -215,7 +232,8 @@ def test_loopback_and_ipc_are_fine(ep):
     assert check_bind(ep) == ep
 
 
-@pytest.mark.parametrize("ep", ["http://127.0.0.1:80", "ipc://relative.sock", "tcp://127.0.0.1", "inproc://x"])
+@pytest.mark.parametrize("ep", ["http://127.0.0.1:80", "ipc://relative.sock", "tcp://127.0.0.1", "inproc://x",
+                                "tcp://127.0.0.1:65536", "tcp://127.0.0.1:99999"])
 def test_nonsense_endpoints_are_refused(ep):
     with pytest.raises(EndpointError):
         check_bind(ep)
