@@ -30,8 +30,9 @@ import click
 
 from agentserve import configs
 from agentserve.cli.fleet_members import Member, Router, Worker, make_worker, member_env, router_command
-from agentserve.configs.logging import setup_logging
+from agentserve.configs.logging import LOG_LEVELS, setup_logging
 from agentserve.protocol.endpoints import EndpointError, check_bind
+from agentserve.shm.segment import check_run
 
 log = logging.getLogger("agentserve.fleet")
 
@@ -96,7 +97,7 @@ def fleet() -> None:
 @click.option("--router-arg", "router_args", multiple=True, help="Extra argument for the router.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Keep each member's output here (default: a temporary folder removed on exit).")
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="INFO", show_default=True)
 def up(**opts: Any) -> None:
     """Start N workers and the router; stop all of them on SIGTERM / SIGINT."""
     setup_logging(opts["log_level"])
@@ -122,6 +123,7 @@ def _settings(opts: dict[str, Any]) -> dict[str, Any]:
     check_bind(f"tcp://{fleet_cfg['host']}:1", allow_remote=opts["allow_remote"])
     if int(fleet_cfg["workers"]) < 1:
         raise ValueError("[fleet] workers must be >= 1")
+    check_run(f"{fleet_cfg['name']}-w{int(fleet_cfg['workers']) - 1}")  # the workers' run names
     return {"fleet": fleet_cfg, "router": router_cfg}
 
 

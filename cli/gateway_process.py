@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +27,20 @@ def parse_http(address: str, allow_remote: bool) -> tuple[str, int]:
     if not sep or not port.isdigit() or not host or not 0 < int(port) < 65536:
         raise EndpointError(f"--http must be HOST:PORT, got {address!r}")
     check_bind(f"tcp://{host}:{port}", allow_remote=allow_remote)
-    return host.strip("[]"), int(port)
+    host = host.strip("[]")
+    _check_free(host, int(port))
+    return host, int(port)
+
+
+def _check_free(host: str, port: int) -> None:
+    """Fail now, before the model loads, if the port is taken (the gateway would fail to bind it on every restart)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise EndpointError(f"--http {host}:{port}: {e.strerror or e}") from None
 
 
 class GatewayProcess:

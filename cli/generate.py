@@ -16,7 +16,7 @@ import click
 from agentserve import configs
 from agentserve.cli.engine_options import engine_config, engine_flags
 from agentserve.cli.prompts import Prompt, load_prompts_file, parse_ids
-from agentserve.configs.logging import setup_logging
+from agentserve.configs.logging import LOG_LEVELS, setup_logging
 
 EXIT_BAD_INPUT = 2
 
@@ -132,7 +132,8 @@ def _collect_prompts(text: tuple[str, ...], ids: str | None, file: str | None) -
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
 @engine_flags
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="A TOML file.")
-@click.option("--log-level", default="WARNING", show_default=True)
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="WARNING",
+              show_default=True)
 def generate(prompt_text: tuple[str, ...], prompt_ids: str | None, prompts_file: str | None, **opts: Any) -> None:
     """Generate text for one prompt or a batch, in this process."""
     from agentserve.executor.errors import EngineError

@@ -19,7 +19,7 @@ import click
 from agentserve import configs
 from agentserve.cli.engine_options import engine_config, engine_flags
 from agentserve.cli.gateway_process import GatewayProcess, parse_http
-from agentserve.configs.logging import setup_logging
+from agentserve.configs.logging import LOG_LEVELS, setup_logging
 from agentserve.executor.errors import EngineError
 from agentserve.orchestrator.executor_link import ExecutorLink, ExecutorSpec, ExecutorStartError
 from agentserve.orchestrator.ingress import Ingress
@@ -33,7 +33,7 @@ from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.client_messages import Welcome
 from agentserve.protocol.endpoints import EndpointError, default_endpoint
 from agentserve.shm.errors import ShmError
-from agentserve.shm.segment import cleanup_stale
+from agentserve.shm.segment import check_run, cleanup_stale
 
 log = logging.getLogger("agentserve.up")
 
@@ -70,9 +70,10 @@ def _resolve_model(name: str, cache_dir: str) -> str:
 @click.option("--tpot-slo-ms", type=float, default=None, help="TPOT target the controller steers by.")
 @click.option("--ttft-slo-ms", type=float, default=None, help="TTFT objective (reported).")
 @engine_flags
-@click.option("--num-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory).")
-@click.option("--kv-cache-gb", type=float, default=None, help="KV cache size in GiB.")
-@click.option("--max-model-len", type=int, default=None, help="Context length cap.")
+@click.option("--num-blocks", type=click.IntRange(min=1), default=None,
+              help="KV cache size in blocks (default: from memory).")
+@click.option("--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=None, help="KV cache size in GiB.")
+@click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Context length cap.")
 @click.option("--partition", type=click.Choice(["green-ctx", "cuda-streams", "cpu-cores"]), default=None)
 @click.option("--run", "run_name", default="default", show_default=True, help="Run name (`agentserve top --run`).")
 @click.option("--no-restart", is_flag=True, help="Exit instead of restarting a crashed executor.")
@@ -85,7 +86,7 @@ def _resolve_model(name: str, cache_dir: str) -> str:
 @click.option("--served-model-name", default=None, help="With --http: the model name clients send.")
 @click.option("--metrics-compat", type=click.Choice(["vllm"]), default=None,
               help="With --http: also emit every metric under vLLM's `vllm:` names.")
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="INFO", show_default=True)
 @click.option("--log-json", is_flag=True, help="JSON log lines.")
 def up(**opts: Any) -> None:
     """Serve agent clients over ZeroMQ on one GPU (or the CPU)."""
@@ -115,7 +116,7 @@ def _configs(opts: dict[str, Any]) -> tuple[dict[str, Any], Any, ServingLimits]:
 
 def _up(opts: dict[str, Any]) -> int:
     engine, sched_config, limits = _configs(opts)
-    run = opts["run_name"]
+    run = check_run(opts["run_name"])  # before anything is named after it
     removed = cleanup_stale()
     if removed:
         log.info("removed %d shared-memory leftovers of dead runs", len(removed))
@@ -177,6 +178,7 @@ def _up(opts: dict[str, Any]) -> int:
         log.info("shut down cleanly")
         return 0
     finally:
+        _ignore_signals()  # one stop is enough: a second signal must not cut the clean-up short
         if gateway is not None:
             gateway.stop()
         if link is not None:
@@ -225,6 +227,13 @@ class _Status:
 
 def _interrupt() -> None:
     raise KeyboardInterrupt
+
+
+def _ignore_signals() -> None:
+    """SIG_IGN, not a Python handler: Python puts its own handlers back to the default as it exits, so a late
+    signal would still kill the process with a signal's exit code after a clean stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _on_signals(stop: Any) -> None:

@@ -51,6 +51,9 @@ class KeyValueFormatter(logging.Formatter):
         return " ".join(f"{k}={_kv_value(v)}" for k, v in _fields(record).items())
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def setup_logging(level: str | int = "INFO", json: bool = False, stream: IO[str] | None = None) -> None:
     """Configure the root logger once per process (replaces handlers set by an earlier call)."""
     handler = logging.StreamHandler(stream or sys.stderr)

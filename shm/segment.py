@@ -79,10 +79,16 @@ TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i486", "i586", 
 order_fence = _no_fence if TSO else fence
 
 
-def shm_name(run: str, role: str) -> str:
-    """``/agentserve-<run>-<role>`` after validating both parts."""
+def check_run(run: str) -> str:
+    """``run`` if it is a valid run name (it names segments, semaphores and sockets), else ``ValueError``."""
     if not _RUN_RE.match(run):
         raise ValueError(f"run name must match {_RUN_RE.pattern}, got {run!r}")
+    return run
+
+
+def shm_name(run: str, role: str) -> str:
+    """``/agentserve-<run>-<role>`` after validating both parts."""
+    check_run(run)
     if not _ROLE_RE.match(role):
         raise ValueError(f"role must match {_ROLE_RE.pattern}, got {role!r}")
     return f"/{PREFIX}-{run}-{role}"

@@ -37,6 +37,12 @@ def test_a_non_loopback_host_needs_allow_remote() -> None:
     assert _settings({**NO_FLAGS, "host": "0.0.0.0", "allow_remote": True})["fleet"]["host"] == "0.0.0.0"
 
 
+@pytest.mark.parametrize("name", ["a/b", "a b", "x" * 70])
+def test_a_fleet_name_its_workers_cannot_run_under_is_refused_before_anything_starts(name) -> None:
+    with pytest.raises(ValueError, match="run name must match"):
+        _settings({**NO_FLAGS, "name": name})
+
+
 def test_every_router_setting_becomes_a_flag() -> None:
     cmd = router_command(["http://127.0.0.1:1", "http://127.0.0.1:2"], "127.0.0.1", 30000, 29000,
                          {"policy": "cache_aware", "cache_threshold": 0.9, "dp_aware": True, "disable_retries": False},

@@ -1,0 +1,68 @@
+"""``agentserve up`` before it serves: bad flags are one clear error before anything starts, and signals during
+the model load leave nothing behind however many arrive."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+
+import pytest
+
+
+def _up(*flags: str) -> tuple[int, str]:
+    """``agentserve up`` expected to stop at once; one that starts serving instead is killed (then: -9)."""
+    run = f"b{uuid.uuid4().hex[:6]}"
+    proc = subprocess.Popen(["agentserve", "up", "--model", "tiny", "--run", run, *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--log-level", "bogus"], "--log-level"),
+    (["--max-model-len", "-1"], "--max-model-len"),
+    (["--num-blocks", "0"], "--num-blocks"),
+    (["--kv-cache-gb", "0"], "--kv-cache-gb"),
+    (["--run", "a/b"], "run name must match"),
+    (["--endpoint", "tcp://127.0.0.1:99999"], "0-65535"),
+])
+def test_bad_flags_are_one_clear_error(flags, says) -> None:
+    code, out = _up(*flags)
+    assert code == 2 and says in out and "Traceback" not in out, out
+
+
+def test_an_http_port_in_use_is_refused_before_the_model_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out = _up("--http", f"127.0.0.1:{port}")
+    assert code == 2 and f"--http 127.0.0.1:{port}" in out and "loading the model" not in out, out
+
+
+def test_signals_in_quick_succession_during_the_load_leave_nothing(tmp_path) -> None:
+    """The second signal arrived while the first one's clean-up ran and cut it short: the socket file stayed."""
+    run = f"s{uuid.uuid4().hex[:6]}"
+    sock = tmp_path / "up.sock"
+    proc = subprocess.Popen(["agentserve", "up", "--model", "tiny", "--run", run, "--endpoint", f"ipc://{sock}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not sock.exists():  # the ingress binds before the model loads
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
+        time.sleep(0.01)
+    time.sleep(0.3)  # the executor is starting
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    assert not sock.exists()
+    assert not [n for n in os.listdir("/dev/shm") if run in n]
+    assert subprocess.run(["pgrep", "-f", run], capture_output=True).returncode == 1, "a process was left"
