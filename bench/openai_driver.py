@@ -6,7 +6,7 @@ dialects:
 
 * ``openai``: ``POST /v1/completions`` with ``prompt`` as a list of ints, ``max_tokens``,
   ``ignore_eos``; output ids from ``choices[0].token_ids`` (vLLM with ``return_token_ids``), else one
-  token per non-empty chunk.
+  token per non-empty chunk, topped up from the usage chunk (a server that sends several tokens in a chunk).
 * ``llamacpp``: llama.cpp's native ``POST /completion`` with ``n_predict`` and ``return_tokens``;
   the count comes from ``tokens_predicted`` (exact even when the server holds back a chunk that
   ends inside a UTF-8 character), the ids from ``tokens``.
@@ -15,8 +15,10 @@ dialects:
   is one ASCII letter or digit (:func:`ids_to_text`): one token each on the byte-level built-in models,
   fewer on a BPE vocabulary. A turn is a user message; the reply is resent exactly as answered (so a
   server that keys conversations by their messages continues them). The count is one token per
-  non-empty content chunk, topped up from the usage chunk (a token held back inside a UTF-8 character);
-  a stream that ends without a ``finish_reason`` (a server that died mid-reply) is an error.
+  non-empty content chunk, topped up from the usage chunk (a token held back inside a UTF-8 character).
+
+In every dialect a stream that ends before the server said it finished (``finish_reason``; llama.cpp's
+``stop``) is an error: a server that died mid-reply gave no answer.
 
 Generated ids the server did not report are replaced by ``pad_id`` in the resent conversation, so
 every system sees contexts of the same length (the server's cache then misses from that point).
@@ -43,7 +45,7 @@ def ids_to_text(ids: Sequence[int]) -> str:
 
 def _openai_body(ids: list[int], max_tokens: int, model: str | None) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "prompt": ids, "max_tokens": max_tokens, "stream": True,
+        "prompt": ids, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
         "ignore_eos": True, "temperature": 0.0, "return_token_ids": True, "cache_prompt": True,
     }
     if model:
@@ -51,7 +53,26 @@ def _openai_body(ids: list[int], max_tokens: int, model: str | None) -> dict[str
     return body
 
 
+def _usage_top_up(event: dict[str, Any], seen: int) -> int | None:
+    """On OpenAI's usage chunk (no choices): the tokens no chunk carried; else None."""
+    if event.get("choices") or not event.get("usage"):
+        return None
+    return max(0, int(event["usage"].get("completion_tokens", seen)) - seen)
+
+
+def _openai_finished(event: dict[str, Any]) -> bool:
+    choices = event.get("choices") or []
+    return bool(choices and choices[0].get("finish_reason"))
+
+
+def _unfinished(seen: int) -> ConnectionError:
+    return ConnectionError(f"the reply stream ended after {seen} tokens before the server finished it")
+
+
 def _openai_tokens(event: dict[str, Any], seen: int) -> tuple[list[int] | None, int]:
+    top_up = _usage_top_up(event, seen)
+    if top_up is not None:
+        return None, top_up
     choice = (event.get("choices") or [{}])[0]
     ids = choice.get("token_ids")
     if ids is not None:
@@ -71,9 +92,9 @@ def _llamacpp_tokens(event: dict[str, Any], seen: int) -> tuple[list[int] | None
 
 
 DIALECTS = {
-    "openai": ("/v1/completions", _openai_body, _openai_tokens),
-    "llamacpp": ("/completion", _llamacpp_body, _llamacpp_tokens),
-    "chat": ("/v1/chat/completions", None, None),
+    "openai": ("/v1/completions", _openai_body, _openai_tokens, _openai_finished),
+    "llamacpp": ("/completion", _llamacpp_body, _llamacpp_tokens, lambda event: bool(event.get("stop"))),
+    "chat": ("/v1/chat/completions", None, None, _openai_finished),
 }
 
 
@@ -81,7 +102,7 @@ class OpenAISession:
     def __init__(self, url: str, dialect: str, model: str | None, pad_id: int,
                  extra_body: dict[str, Any]) -> None:
         self.url = url
-        _, self._body, self._tokens = DIALECTS[dialect]
+        _, self._body, self._tokens, self._finished = DIALECTS[dialect]
         self.model = model
         self.pad_id = pad_id
         self.extra_body = extra_body
@@ -89,11 +110,12 @@ class OpenAISession:
 
     async def turn(self, prompt_ids: Sequence[int], max_tokens: int) -> AsyncIterator[Chunk]:
         self.history.extend(prompt_ids)
-        seen = 0
+        seen, finished = 0, False
         generated: list[int] = []
         body = self._body(list(self.history), max_tokens, self.model) | self.extra_body
         async for event in post_sse(self.url, body):
             t = time.perf_counter()
+            finished = finished or self._finished(event)
             ids, n = self._tokens(event, seen)
             if n <= 0:
                 continue
@@ -102,6 +124,8 @@ class OpenAISession:
             seen += n
             generated.extend(ids)
             yield ids, t
+        if not finished:
+            raise _unfinished(seen)
         self.history.extend(generated)
 
     async def close(self) -> None:
@@ -131,17 +155,16 @@ class ChatSession:
             t = time.perf_counter()
             choices = event.get("choices") or []
             text = (choices[0].get("delta") or {}).get("content") if choices else None
-            finished = finished or bool(choices and choices[0].get("finish_reason"))
-            n = 1 if text else 0
-            if not choices and event.get("usage"):  # the usage chunk: tokens no chunk carried
-                n = max(0, int(event["usage"].get("completion_tokens", seen)) - seen)
+            finished = finished or _openai_finished(event)
+            top_up = _usage_top_up(event, seen)
+            n = top_up if top_up is not None else 1 if text else 0
             if text:
                 reply.append(text)
             if n:
                 seen += n
                 yield [self.pad_id] * n, t
         if not finished:  # the connection broke mid-reply (a server that died): not an answer
-            raise ConnectionError(f"the reply stream ended after {seen} tokens without a finish_reason")
+            raise _unfinished(seen)
         self.messages.append({"role": "assistant", "content": "".join(reply)})
 
     async def close(self) -> None:

@@ -58,13 +58,19 @@ class FakeCompletionServer:
     """Streams ``n`` tokens (ids 100, 101, ...) in chunked SSE; remembers every request body.
 
     ``llamacpp`` replies in llama.cpp's native shape; ``hold_back`` makes it skip the event of token
-    1 (as llama.cpp does inside a UTF-8 character), so token 2's event then reports both.
+    1 (as llama.cpp does inside a UTF-8 character), so token 2's event then reports both.  On
+    ``/v1/completions``: ``pairs`` sends two tokens' text per chunk and no ids (a server without
+    ``return_token_ids``), with the usage chunk when asked; ``cut_after`` ends the stream after that many
+    tokens, before any ``finish_reason`` / ``stop`` (a server that died mid-reply).
     """
 
-    def __init__(self, hold_back: bool = False, status: int = 200) -> None:
+    def __init__(self, hold_back: bool = False, status: int = 200, pairs: bool = False,
+                 cut_after: int | None = None) -> None:
         self.bodies: list[dict] = []
         self.paths: list[str] = []
         self.hold_back = hold_back
+        self.pairs = pairs
+        self.cut_after = cut_after
         self.status = status
         self.json_replies: dict[str, dict] = {"/health": {"status": "ok"}}  # paths answered with fixed JSON
         self.server: asyncio.base_events.Server | None = None
@@ -116,16 +122,22 @@ class FakeCompletionServer:
         writer.close()
 
     def _events(self, path, body):
+        n = body["n_predict"] if path == "/completion" else body["max_tokens"]
+        cut = n if self.cut_after is None else self.cut_after
         if path == "/completion":
-            n = body["n_predict"]
-            for k in range(n):
+            for k in range(cut):
                 if self.hold_back and k == 1:
                     continue
                 yield {"content": "x", "tokens": [100 + k], "stop": False, "tokens_predicted": k + 1}
-            yield {"content": "", "tokens": [], "stop": True, "tokens_predicted": n}
-        else:
-            for k in range(body["max_tokens"]):
-                yield {"choices": [{"text": "x", "index": 0, "token_ids": [100 + k]}]}
+            if cut == n:
+                yield {"content": "", "tokens": [], "stop": True, "tokens_predicted": n}
+            return
+        step = 2 if self.pairs else 1
+        for k in range(0, cut, step):
+            choice = {"text": "x" * min(step, n - k), "index": 0, "finish_reason": "length" if k + step >= n else None}
+            yield {"choices": [choice if self.pairs else choice | {"token_ids": [100 + k]}]}
+        if cut == n and (body.get("stream_options") or {}).get("include_usage"):
+            yield {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}
 
 
 class ThreadedServer:

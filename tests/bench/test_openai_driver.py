@@ -54,6 +54,31 @@ def test_llamacpp_dialect_counts_held_back_tokens_and_pads_their_ids():
     assert server.bodies[1]["prompt"] == [1, 2, 3, 100, 7, 102, 103, 4, 5]
 
 
+def test_openai_dialect_counts_every_token_of_a_chunk_without_ids():
+    """A server that ignores ``return_token_ids`` and sends two tokens' text per chunk: the usage chunk tops the
+    count up, so TPOT and throughput see every token and the resent conversation keeps its length."""
+    async def main():
+        async with FakeCompletionServer(pairs=True) as server:
+            first, _ = await _two_turns(server, "openai")
+            return server, first
+
+    server, first = asyncio.run(main())
+    assert server.bodies[0]["stream_options"] == {"include_usage": True}
+    assert sum(len(ids) for ids, _ in first) == 4
+    assert len(server.bodies[1]["prompt"]) == 3 + 4 + 2
+
+
+@pytest.mark.parametrize("dialect", ["openai", "llamacpp"])
+def test_a_stream_cut_before_the_server_finished_is_an_error(dialect):
+    async def main():
+        async with FakeCompletionServer(cut_after=2) as server:
+            session = await OpenAIDriver(server.url, dialect=dialect).open_session()
+            return [chunk async for chunk in session.turn([1, 2, 3], 4)]
+
+    with pytest.raises(ConnectionError, match="after 2 tokens before the server finished"):
+        asyncio.run(main())
+
+
 def test_http_errors_are_raised_with_the_body():
     async def main():
         async with FakeCompletionServer(status=400) as server:
