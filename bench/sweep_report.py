@@ -72,7 +72,7 @@ def row(point: dict[str, Any]) -> dict[str, Any]:
     """The headline row of one single-count report (``bench.report.build``)."""
     systems = point["policies"]
     ref = systems[point["reference"]]
-    return {"agents": point["meta"]["agents"],
+    return {"agents": point["meta"]["agents"], "reference": point["reference"],  # its own, if the sweep's failed here
             "systems": {name: _row_figures(figs, ref) for name, figs in systems.items()}}
 
 
@@ -120,8 +120,10 @@ def fmt_ratio(ratio: float | None) -> str:
 
 
 def headline_table(sweep_row: dict[str, Any], reference: str, slo: dict[str, Any] | None = None) -> Table:
-    """A rich table of one agent count: a row per headline figure, a column per system, ratios to ``reference``."""
+    """A rich table of one agent count: a row per headline figure, a column per system, ratios to the row's
+    reference (``reference``, the sweep's, unless that system failed at this count)."""
     n = sweep_row["agents"]
+    reference = sweep_row.get("reference", reference)
     slo_text = f" · SLO TTFT {number(slo.get('ttft_ms'))} ms, TPOT {number(slo.get('tpot_ms'))} ms" if slo else ""
     t = Table(title=f"{n} agent{'s' if n != 1 else ''}{slo_text}", caption=f"(ratio) = system / {reference}")
     t.add_column("figure")
@@ -140,16 +142,18 @@ def headline_table(sweep_row: dict[str, Any], reference: str, slo: dict[str, Any
 
 
 def markdown_table(sweep_row: dict[str, Any], reference: str) -> str:
-    """The same table in Markdown (for ``paper.md``)."""
+    """The same table in Markdown (for ``paper.md``), with the row's own reference named where it differs."""
+    own = sweep_row.get("reference", reference)
     head = ["system", *(f"{BY_KEY[k].label} ({BY_KEY[k].unit})" for k in TABLE_KEYS), "requests / errors"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, figs in sweep_row["systems"].items():
         cells = [name]
         for key in TABLE_KEYS:
             text = fmt(figs[key], BY_KEY[key].unit).removesuffix(" " + BY_KEY[key].unit)
-            if name != reference and figs["ratios"][key] is not None:
+            if name != own and figs["ratios"][key] is not None:
                 text += f" ({fmt_ratio(figs['ratios'][key])})"
             cells.append(text)
         cells.append(f"{figs['requests']} / {figs['errors']}")
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    note = "" if own == reference else f"\n\n{reference} failed at this count: ratios here are system / {own}."
+    return "\n".join(lines) + note

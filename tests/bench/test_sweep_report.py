@@ -91,3 +91,18 @@ def test_tables_show_every_system_with_its_ratio():
     md = sweep_report.markdown_table(row, "agentserve")
     assert md.splitlines()[0].startswith("| system | SLO attainment (TTFT and TPOT) (%)")
     assert "| fcfs | 40.0 (0.42×) |" in md and "| agentserve | 95.0 |" in md
+
+
+def test_a_count_where_agentserve_failed_names_the_reference_its_ratios_use():
+    """Its ratios are against the first system that ran there; the tables must not call them "/ agentserve"."""
+    sweep = fake_sweep({
+        1: {"fcfs": fake_figures(0.8, 600.0, 60.0, 50.0), "agentserve": fake_figures(1.0, 200.0, 20.0, 100.0)},
+        2: {"fcfs": fake_figures(0.8, 600.0, 60.0, 50.0), "chunked": fake_figures(0.7, 400.0, 40.0, 60.0)},
+    }, failed={"2": ["agentserve"]})
+    row = sweep["rows"][1]
+    assert row["reference"] == "fcfs" and row["systems"]["chunked"]["ratios"]["tpot_p95"] == pytest.approx(40 / 60)
+    console = Console(record=True, width=250)
+    console.print(sweep_report.headline_table(row, sweep["reference"]))
+    assert "system / fcfs" in console.export_text()
+    md = sweep_report.markdown_table(row, sweep["reference"])
+    assert "| fcfs | 80.0 |" in md and "ratios here are system / fcfs" in md
