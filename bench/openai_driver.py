@@ -53,11 +53,13 @@ def _openai_body(ids: list[int], max_tokens: int, model: str | None) -> dict[str
     return body
 
 
-def _usage_top_up(event: dict[str, Any], seen: int) -> int | None:
-    """On OpenAI's usage chunk (no choices): the tokens no chunk carried; else None."""
-    if event.get("choices") or not event.get("usage"):
-        return None
-    return max(0, int(event["usage"].get("completion_tokens", seen)) - seen)
+def _usage_top_up(event: dict[str, Any], seen: int, own: int) -> int:
+    """The tokens a chunk stands for: the ``own`` it carries, or more where it has OpenAI's usage (a chunk of its
+    own, or the last one's: llama-server) — the tokens no chunk carried until then are counted there."""
+    usage = event.get("usage")
+    if not usage:
+        return own
+    return max(own, int(usage.get("completion_tokens", seen)) - seen)
 
 
 def _openai_finished(event: dict[str, Any]) -> bool:
@@ -70,14 +72,10 @@ def _unfinished(seen: int) -> ConnectionError:
 
 
 def _openai_tokens(event: dict[str, Any], seen: int) -> tuple[list[int] | None, int]:
-    top_up = _usage_top_up(event, seen)
-    if top_up is not None:
-        return None, top_up
     choice = (event.get("choices") or [{}])[0]
     ids = choice.get("token_ids")
-    if ids is not None:
-        return list(ids), len(ids)
-    return None, 1 if choice.get("text") else 0
+    own = len(ids) if ids is not None else 1 if choice.get("text") else 0
+    return (None if ids is None else list(ids)), _usage_top_up(event, seen, own)
 
 
 def _llamacpp_body(ids: list[int], max_tokens: int, model: str | None) -> dict[str, Any]:
@@ -156,8 +154,7 @@ class ChatSession:
             choices = event.get("choices") or []
             text = (choices[0].get("delta") or {}).get("content") if choices else None
             finished = finished or _openai_finished(event)
-            top_up = _usage_top_up(event, seen)
-            n = top_up if top_up is not None else 1 if text else 0
+            n = _usage_top_up(event, seen, 1 if text else 0)
             if text:
                 reply.append(text)
             if n:

@@ -65,12 +65,13 @@ class FakeCompletionServer:
     """
 
     def __init__(self, hold_back: bool = False, status: int = 200, pairs: bool = False,
-                 cut_after: int | None = None) -> None:
+                 cut_after: int | None = None, usage_on_last: bool = False) -> None:
         self.bodies: list[dict] = []
         self.paths: list[str] = []
         self.hold_back = hold_back
         self.pairs = pairs
         self.cut_after = cut_after
+        self.usage_on_last = usage_on_last  # usage in the last choice chunk (llama-server), not a chunk of its own
         self.status = status
         self.json_replies: dict[str, dict] = {"/health": {"status": "ok"}}  # paths answered with fixed JSON
         self.server: asyncio.base_events.Server | None = None
@@ -133,11 +134,15 @@ class FakeCompletionServer:
                 yield {"content": "", "tokens": [], "stop": True, "tokens_predicted": n}
             return
         step = 2 if self.pairs else 1
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+        wants_usage = (body.get("stream_options") or {}).get("include_usage")
         for k in range(0, cut, step):
-            choice = {"text": "x" * min(step, n - k), "index": 0, "finish_reason": "length" if k + step >= n else None}
-            yield {"choices": [choice if self.pairs else choice | {"token_ids": [100 + k]}]}
-        if cut == n and (body.get("stream_options") or {}).get("include_usage"):
-            yield {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}
+            last = k + step >= n
+            choice = {"text": "x" * min(step, n - k), "index": 0, "finish_reason": "length" if last else None}
+            event = {"choices": [choice if self.pairs else choice | {"token_ids": [100 + k]}]}
+            yield event | ({"usage": usage} if last and wants_usage and self.usage_on_last else {})
+        if cut == n and wants_usage and not self.usage_on_last:
+            yield {"choices": [], "usage": usage}
 
 
 class ThreadedServer:

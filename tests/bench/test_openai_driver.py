@@ -54,11 +54,13 @@ def test_llamacpp_dialect_counts_held_back_tokens_and_pads_their_ids():
     assert server.bodies[1]["prompt"] == [1, 2, 3, 100, 7, 102, 103, 4, 5]
 
 
-def test_openai_dialect_counts_every_token_of_a_chunk_without_ids():
-    """A server that ignores ``return_token_ids`` and sends two tokens' text per chunk: the usage chunk tops the
-    count up, so TPOT and throughput see every token and the resent conversation keeps its length."""
+@pytest.mark.parametrize("usage_on_last", [False, True], ids=["usage-chunk", "usage-on-last-chunk"])
+def test_openai_dialect_counts_every_token_of_a_chunk_without_ids(usage_on_last):
+    """A server that ignores ``return_token_ids`` and sends two tokens' text per chunk: the usage (a chunk of its
+    own, or on the last one as llama-server sends it) tops the count up, so TPOT and throughput see every token
+    and the resent conversation keeps its length."""
     async def main():
-        async with FakeCompletionServer(pairs=True) as server:
+        async with FakeCompletionServer(pairs=True, usage_on_last=usage_on_last) as server:
             first, _ = await _two_turns(server, "openai")
             return server, first
 
