@@ -45,10 +45,11 @@ def _check_free(host: str, port: int) -> None:
 
 class GatewayProcess:
     def __init__(self, endpoint: str, host: str, port: int, extra: list[str], log_level: str = "INFO",
-                 api_key: str = "") -> None:
+                 api_key: str = "", log_json: bool = False) -> None:
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         self.command = [sys.executable, "-m", "agentserve.gateway", "--endpoint", endpoint, "--host", host,
                         "--port", str(port), "--parent-pid", str(os.getpid()), "--log-level", log_level, *extra]
+        self.command += ["--log-json"] if log_json else []
         self.env = {**os.environ, "AGENTSERVE_API_KEY": api_key}  # not on the command line: `ps` shows that
         self.proc: subprocess.Popen | None = None
         self._stopping = threading.Event()

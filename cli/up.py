@@ -155,7 +155,8 @@ def _up(opts: dict[str, Any]) -> int:
         _on_signals(server.stop)
         if http is not None:
             gateway = GatewayProcess(ingress.endpoint, *http, _gateway_args(opts, str(engine["model"])),
-                                     opts["log_level"], api_key=opts["api_key"] or "").start()
+                                     opts["log_level"], api_key=opts["api_key"] or "",
+                                     log_json=opts["log_json"]).start()
             publisher.info.http = gateway.url
         gc.collect()
         gc.freeze()  # start-up objects never need scanning again: fewer long GC pauses in the loop

@@ -15,6 +15,7 @@ import sys
 
 import uvicorn
 
+from agentserve.configs.logging import LOG_LEVELS, setup_logging
 from agentserve.gateway.app import build_app
 from agentserve.gateway.backend import GatewayOptions
 from agentserve.protocol.endpoints import EndpointError, check_bind
@@ -35,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-compat", default="", help="comma-separated: vllm")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    p.add_argument("--log-json", action="store_true", help="JSON log lines (uvicorn's own included)")
     return p.parse_args(argv)
 
 
@@ -60,7 +62,8 @@ async def serve(args: argparse.Namespace) -> None:
         metrics_compat=tuple(m for m in args.metrics_compat.split(",") if m),
     )
     config = uvicorn.Config(build_app(options), host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=2, access_log=False)
+                            timeout_graceful_shutdown=2, access_log=False,
+                            log_config=None)  # uvicorn's loggers go through this process's handler and format
     server = uvicorn.Server(config)
     watcher = asyncio.create_task(_watch_parent(server, args.parent_pid)) if args.parent_pid else None
     try:
@@ -74,7 +77,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_json)
     try:
         check_host(args.host, args.allow_remote)
     except EndpointError as e:

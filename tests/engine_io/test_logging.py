@@ -39,3 +39,21 @@ def test_key_value_lines():
     line = _emit(False).splitlines()[0]
     assert 'level=INFO logger=agentserve.test process=MainProcess msg="step 3 done" lane=decode ms=1.5' in line
     assert line.startswith("ts=")
+
+
+def test_the_gateway_process_logs_json_lines_uvicorns_own_too() -> None:
+    """``up --log-json --http``: the gateway's lines, uvicorn's included (here: its port is taken), are JSON."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cmd = [sys.executable, "-m", "agentserve.gateway", "--endpoint", "ipc:///nonexistent/gw.sock", "--port",
+               str(taken.getsockname()[1]), "--log-json"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    lines = done.stderr.splitlines()
+    assert done.returncode != 0 and lines, done.stderr
+    records = [json.loads(line) for line in lines]
+    assert any(r["logger"].startswith("uvicorn") and "address already in use" in r["msg"] for r in records), lines
