@@ -90,6 +90,8 @@ def _resolve_model(name: str, cache_dir: str) -> str:
 @click.option("--log-json", is_flag=True, help="JSON log lines.")
 def up(**opts: Any) -> None:
     """Serve agent clients over ZeroMQ on one GPU (or the CPU)."""
+    if opts["num_blocks"] and opts["kv_cache_gb"]:
+        raise click.UsageError("give --num-blocks or --kv-cache-gb, not both (each sets the KV cache's size)")
     setup_logging(opts["log_level"], opts["log_json"])
     try:
         code = _up(opts)

@@ -33,6 +33,7 @@ def _up(*flags: str) -> tuple[int, str]:
     (["--kv-cache-gb", "0"], "--kv-cache-gb"),
     (["--run", "a/b"], "run name must match"),
     (["--endpoint", "tcp://127.0.0.1:99999"], "0-65535"),
+    (["--num-blocks", "64", "--kv-cache-gb", "1"], "not both"),
 ])
 def test_bad_flags_are_one_clear_error(flags, says) -> None:
     code, out = _up(*flags)
