@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from agentserve.client import AgentServeError, Done, TextDelta, TokenIds, UnknownSession
+from agentserve.client import AgentServeError, Done, ExecutorFailed, ServerBusy, TextDelta, TokenIds, UnknownSession
 from agentserve.gateway.backend import Backend
 from agentserve.gateway.chat_plan import ChatPlan
 from agentserve.gateway.errors import from_client_error
@@ -38,10 +38,11 @@ class ChoiceRun:
 
     async def start(self) -> None:
         """Send the turn and wait for its first event, so a refused turn is an HTTP error, not a stream."""
-        taken = self.backend.conversations.take(self.plan.digests()) if self.index == 0 else None
+        digests = self.plan.digests()
+        taken = self.backend.conversations.take(digests) if self.index == 0 else None
         if taken is not None:
             try:
-                await self._send(taken[0], self.plan.messages_after(taken[1]))
+                await self._send(taken[0], self.plan.messages_after(taken[1]), filed_under=digests[taken[1] - 1])
                 self.resumed = True
                 return
             except UnknownSession:
@@ -55,7 +56,8 @@ class ChoiceRun:
         except AgentServeError as e:
             raise from_client_error(e) from None
 
-    async def _send(self, session: Any, messages: list[Any]) -> None:
+    async def _send(self, session: Any, messages: list[Any], filed_under: bytes | None = None) -> None:
+        """Start the turn on ``session`` (one the conversation map held under ``filed_under``, if given)."""
         self.session = session
         self._events = session.turn(messages, **self.plan.choice_options(self.index)).__aiter__()
         try:
@@ -63,8 +65,11 @@ class ChoiceRun:
         except UnknownSession:
             raise
         except AgentServeError as e:
-            self.backend.close_later(session)
             self.session = None
+            if filed_under is not None and isinstance(e, ServerBusy | ExecutorFailed):
+                self.backend.conversations.file(filed_under, session)  # refused for now: the retry continues it
+            else:
+                self.backend.close_later(session)
             raise from_client_error(e) from None
 
     async def deltas(self) -> AsyncIterator[Delta]:

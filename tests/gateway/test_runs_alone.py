@@ -70,3 +70,34 @@ def test_a_completion_ending_in_eos_is_filed_under_the_tokens_its_session_holds(
     session, held = backend.token_conversations.take(prompt + output + [13, 14])
     assert session == "the session" and held == len(prompt) + len(output) - 1, "the eos is among the new tokens"
 
+
+
+def test_a_continued_conversation_refused_for_now_keeps_its_session() -> None:
+    """A turn refused with `busy` (or while the executor restarts) never started: the session goes back to the map,
+    so the retry the 503 invites continues it instead of re-sending (and re-tokenising) the whole conversation."""
+    import pytest
+
+    from agentserve.client import ServerBusy
+    from agentserve.gateway.choice import ChoiceRun
+    from agentserve.gateway.conversations import ConversationMap
+    from agentserve.gateway.errors import APIError
+
+    class Refusing:
+        def turn(self, messages, **options):
+            async def events():
+                raise ServerBusy("busy: retry shortly")
+                yield
+
+            return events()
+
+    closed: list = []
+    digests = [b"system", b"user 1", b"assistant 1", b"user 2"]
+    backend = SimpleNamespace(conversations=ConversationMap(), close_later=closed.append, metrics=None)
+    plan = SimpleNamespace(digests=lambda extra=None: digests, messages_after=lambda k: ["user 2"],
+                           choice_options=lambda index: {}, tool_format=None, logprobs=False)
+    session = Refusing()
+    backend.conversations.file(b"assistant 1", session)
+    with pytest.raises(APIError) as refused:
+        asyncio.run(ChoiceRun(backend, plan, 0).start())
+    assert refused.value.status == 503
+    assert closed == [] and backend.conversations.take(digests) == (session, 3)
