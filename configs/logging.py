@@ -51,7 +51,7 @@ class KeyValueFormatter(logging.Formatter):
         return " ".join(f"{k}={_kv_value(v)}" for k, v in _fields(record).items())
 
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "WARN", "FATAL", "NOTSET")  # the names logging takes
 
 
 def setup_logging(level: str | int = "INFO", json: bool = False, stream: IO[str] | None = None) -> None:
