@@ -78,20 +78,21 @@ def test_the_token_map_takes_the_longest_filed_strict_prefix(filed: list[list[in
 
 
 def test_a_token_map_lookup_hashes_the_prompt_once() -> None:
-    """4,096 sessions of distinct lengths, each parting from an 8k-token prompt at its last token, and one that
-    is a prefix: the lookup hashes the prompt once, not a prefix for each filed length. Counted, not timed."""
+    """4,095 sessions of distinct lengths, each ending in the prompt's token at its length but parting from the
+    prompt before (so no filter spares them), and one that is a prefix: one pass over the prompt, digests at every
+    filed length on the way, the longest true prefix found (not one of the decoys that share its digest's end)."""
     from agentserve.gateway import token_conversations as tc
 
     prompt = list(range(8192))
     m = tc.TokenConversationMap()
-    for n in range(1, 4097):
-        m.file([*prompt[: n - 1], 9999], n)
-    m.file(prompt[:5000], "hit")
-    passes = [0]
+    for n in range(3, 4098):
+        m.file([*prompt[: n - 2], 9999, prompt[n - 1]], n)
+    m.file(prompt[:5000], "hit")  # the map's capacity: 4,096
+    passes: list[tuple[int, int]] = []
     real = tc._prefix_keys
 
     def counted(tokens, lengths):
-        passes[0] += 1
+        passes.append((len(tokens), len(lengths)))
         return real(tokens, lengths)
 
     tc._prefix_keys = counted
@@ -99,4 +100,4 @@ def test_a_token_map_lookup_hashes_the_prompt_once() -> None:
         assert m.take(prompt) == ("hit", 5000)
     finally:
         tc._prefix_keys = real
-    assert passes[0] == 1
+    assert passes == [(8192, 4096)]
