@@ -5,8 +5,8 @@
 - ``client/`` imports only the contracts;
 - ``orchestrator/`` never imports torch or the executor;
 - ``executor/`` never imports the orchestrator;
-- ``gateway/`` (the HTTP front, an SDK client) imports only itself, the client, the contracts and the
-  torch-free text tools of the orchestrator.
+- ``gateway/`` (the HTTP front, an SDK client) imports only itself, the client, the contracts, the
+  torch-free text tools of the orchestrator and the log format every process shares (``configs.logging``).
 
 And at run time: importing the orchestrator side (and ``agentserve up``) never loads torch.
 """
@@ -36,7 +36,8 @@ RULES: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...]]] = {
     "orchestrator": (None, ("torch", "agentserve.executor")),
     "executor": (None, ("agentserve.orchestrator",)),
     "gateway": (
-        ("agentserve.gateway", "agentserve.client", "agentserve.protocol", "agentserve.orchestrator.text"),
+        ("agentserve.gateway", "agentserve.client", "agentserve.protocol", "agentserve.orchestrator.text",
+         "agentserve.configs.logging"),
         ("torch",),
     ),
 }
