@@ -32,8 +32,8 @@ def test_agents_replay_their_scripts_in_a_closed_loop():
         # tasks in order, each starting with its cold turn
         assert [r.step for r in reqs[:6]] == [0, 1, 2, 0, 1, 2]
     assert len(seen) == len(run.requests)
-    # sessions: one per task, every one closed
-    assert driver.opened == driver.closed == len(run.tasks)
+    # sessions: one per task, every one closed (an agent may open one more as the deadline passes, then send nothing)
+    assert driver.opened == driver.closed and len(run.tasks) <= driver.opened <= len(run.tasks) + 2
     done = [t for t in run.tasks if t.end is not None]
     assert done and all(t.end > t.start for t in done)
     # no turn is started after the deadline
