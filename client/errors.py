@@ -113,6 +113,6 @@ _BY_CODE: dict[ErrorCode, type[AgentServeError]] = {
 
 
 def from_event(event: Error) -> AgentServeError:
-    """The exception for a server :class:`Error` event."""
+    """The exception for a server :class:`Error` event (a code this SDK does not know: a plain ``AgentServeError``)."""
     cls = _BY_CODE.get(event.code, AgentServeError)
-    return cls(f"{event.code.value}: {event.message}", req=event.req, session=event.session)
+    return cls(f"{getattr(event.code, 'value', event.code)}: {event.message}", req=event.req, session=event.session)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -46,6 +47,22 @@ def make_socket(ctx: zmq.Context, endpoint: str | None, heartbeat_ms: int = 1000
     return sock, endpoint
 
 
+ERROR_TAG = Error.__struct_config__.tag
+
+
+def _error_of_unknown_code(payload: bytes) -> Error | None:
+    """An ``error`` event whose code this SDK does not know (a newer server's): still its request's error, with
+    the code kept as text, instead of an undecodable frame that leaves the request waiting for its timeout."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if not (isinstance(raw, list) and len(raw) in (4, 5) and raw[0] == ERROR_TAG
+            and all(isinstance(v, t) for v, t in zip(raw[1:], (int, str, str, int), strict=False))):
+        return None
+    return Error(req=raw[1], code=raw[2], message=raw[3], session=raw[4] if len(raw) == 5 else 0)
+
+
 class Link:
     """Connection epoch bookkeeping: a request sent in an older epoch lost its server."""
 
@@ -64,6 +81,9 @@ class Link:
         try:
             return self.codec.decode(payload)
         except ProtocolError as e:
+            newer = _error_of_unknown_code(payload)
+            if newer is not None:
+                return newer
             raise ProtocolViolation(f"undecodable event from the server: {e}") from None
 
     def check_epoch(self, sent_epoch: int, req: int) -> None:

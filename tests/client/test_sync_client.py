@@ -201,3 +201,24 @@ def test_a_session_given_up_while_opening_is_closed_once_open(server, monkeypatc
         client.stats()  # its SessionOpened, if late, is read meanwhile: the close goes before the next request
         assert decode_snapshot(client.stats()).sessions == []
         assert client.session(name="kept").turn("ok").collect().text == "ok"
+
+
+def test_an_error_code_this_sdk_does_not_know_is_still_its_requests_error() -> None:
+    """A newer server's error code: the request fails at once with a plain AgentServeError naming the code, instead
+    of an undecodable frame that leaves it waiting for its timeout; other undecodable frames stay violations."""
+    import msgspec
+
+    from agentserve.client import AgentServeError, ProtocolViolation
+    from agentserve.client.errors import from_event
+    from agentserve.client.transport import Link
+    from agentserve.protocol.client_messages import Error
+
+    link = Link("ipc:///unused")
+    event = link.decode(msgspec.msgpack.encode(["error", 7, "some_future_code", "try later", 3]))
+    assert isinstance(event, Error) and (event.req, event.session) == (7, 3)
+    error = from_event(event)
+    assert type(error) is AgentServeError and str(error) == "some_future_code: try later" and error.req == 7
+    with pytest.raises(ProtocolViolation):
+        link.decode(msgspec.msgpack.encode(["error", "not a req", "some_future_code", "x"]))
+    with pytest.raises(ProtocolViolation):
+        link.decode(msgspec.msgpack.encode(["no_such_event", 7]))
