@@ -92,7 +92,7 @@ def _llamacpp_tokens(event: dict[str, Any], seen: int) -> tuple[list[int] | None
 DIALECTS = {
     "openai": ("/v1/completions", _openai_body, _openai_tokens, _openai_finished),
     "llamacpp": ("/completion", _llamacpp_body, _llamacpp_tokens, lambda event: bool(event.get("stop"))),
-    "chat": ("/v1/chat/completions", None, None, _openai_finished),
+    "chat": ("/v1/chat/completions", None, None, None),  # ChatSession
 }
 
 

@@ -38,8 +38,8 @@ class ChoiceRun:
 
     async def start(self) -> None:
         """Send the turn and wait for its first event, so a refused turn is an HTTP error, not a stream."""
-        digests = self.plan.digests()
-        taken = self.backend.conversations.take(digests) if self.index == 0 else None
+        digests = self.plan.digests() if self.index == 0 else []  # choices past the first start fresh sessions
+        taken = self.backend.conversations.take(digests) if digests else None
         if taken is not None:
             try:
                 await self._send(taken[0], self.plan.messages_after(taken[1]), filed_under=digests[taken[1] - 1])

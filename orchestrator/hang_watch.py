@@ -26,6 +26,7 @@ class HangWatch:
         self._in_flight: set[int] = set()
         self._last_progress = now
         self._durations: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._bound = self.rule.bound_s(0.0)  # kept as results land: every send and loop pass reads it
 
     def sent(self, step: int, now: float) -> None:
         if not self._in_flight:
@@ -37,9 +38,10 @@ class HangWatch:
         self._last_progress = now
         if isinstance(msg, Result):
             self._durations.append(max(0.0, msg.t_end - msg.t_start))
+            self._bound = self.rule.bound_s(max(self._durations))
 
     def bound_s(self) -> float:
-        return self.rule.bound_s(max(self._durations, default=0.0))
+        return self._bound
 
     def hung(self, now: float) -> str | None:
         """Why the executor counts as hung, or None."""
