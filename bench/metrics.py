@@ -6,9 +6,10 @@ Conventions (those of ``vllm bench serve`` / SGLang ``bench_serving``):
 * TPOT = (E2E − TTFT) / (n − 1) for a request of n output tokens (undefined for n = 1);
 * ITL = the gap between consecutive *chunks* as the client receives them (a chunk that carries
   several tokens counts once);
-* SLO attainment = share of finished requests with TTFT ≤ SLO and TPOT ≤ SLO (a one-token request
-  has no TPOT and is judged on TTFT only); goodput = those requests per second of the run
-  (DistServe); token throughput = output tokens per second of the run.
+* SLO attainment = share of the requests sent (finished or failed) that finished with TTFT ≤ SLO and
+  TPOT ≤ SLO (a one-token request has no TPOT and is judged on TTFT only; a failed one meets neither);
+  goodput = the requests that met both per second of the run (DistServe); token throughput = output
+  tokens per second of the run.
 
 All times are seconds of one monotonic clock (``time.perf_counter``); reports convert to ms.
 """
@@ -133,6 +134,10 @@ def summary(values: list[float], scale: float = 1.0) -> dict[str, float | int | 
             "p99": float(p99), "std": float(a.std())}
 
 
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
 def aggregate(run: RunRecord, slo: SLO) -> dict:
     """The figures of one run (latencies in ms, task times in s, rates per second)."""
     done = [r for r in run.requests if r.ok]
@@ -140,9 +145,10 @@ def aggregate(run: RunRecord, slo: SLO) -> dict:
     elapsed = max(run.elapsed, 1e-9)
     good = sum(slo.met(r) for r in done)
     tpots = [r.tpot for r in done if r.tpot is not None]
+    failed = len(run.requests) - len(done)  # each a miss of both SLOs
     return {
         "requests": len(done),
-        "errors": sum(r.error is not None for r in run.requests),
+        "errors": failed,
         "elapsed_s": run.elapsed,
         "ttft": summary([r.ttft for r in done], ms),
         "ttft_cold": summary([r.ttft for r in done if r.kind == "cold"], ms),
@@ -155,8 +161,8 @@ def aggregate(run: RunRecord, slo: SLO) -> dict:
         "output_tokens": sum(r.n_tokens for r in done),
         "throughput_tok_s": sum(r.n_tokens for r in done) / elapsed,
         "request_throughput": len(done) / elapsed,
-        "slo_attainment": good / len(done) if done else 0.0,
-        "ttft_slo_attainment": sum(r.ttft <= slo.ttft_s for r in done) / len(done) if done else 0.0,
-        "tpot_slo_attainment": sum(t <= slo.tpot_s for t in tpots) / len(tpots) if tpots else 0.0,
+        "slo_attainment": _share(good, len(run.requests)),
+        "ttft_slo_attainment": _share(sum(r.ttft <= slo.ttft_s for r in done), len(run.requests)),
+        "tpot_slo_attainment": _share(sum(t <= slo.tpot_s for t in tpots), len(tpots) + failed),
         "goodput": good / elapsed,
     }

@@ -58,16 +58,16 @@ def test_aggregate_slo_attainment_goodput_and_throughput():
         _req(3.0, [(3.1, 2), (3.9, 1)], agent=2),
         # D: TTFT 0.9 > 0.5, TPOT 0.05                  -> TPOT ok, TTFT not
         _req(4.0, [(4.9, 1), (4.95, 1)], agent=3),
-        # E: failed: excluded from latencies, counted as error
+        # E: failed: excluded from latencies, counted as an error and as a miss of both SLOs
         _req(5.0, [(5.5, 1)], error="boom"),
     ]
     tasks = [TaskRecord(0, 0, 0.0, 8.0), TaskRecord(1, 0, 1.0, 5.0), TaskRecord(2, 0, 3.0, None)]
     run = RunRecord(start=0.0, end=10.0, requests=reqs, tasks=tasks)
     m = aggregate(run, SLO(ttft_s=0.5, tpot_s=0.1))
     assert m["requests"] == 4 and m["errors"] == 1
-    assert m["slo_attainment"] == pytest.approx(1 / 4)
-    assert m["ttft_slo_attainment"] == pytest.approx(2 / 4)
-    assert m["tpot_slo_attainment"] == pytest.approx(2 / 4)
+    assert m["slo_attainment"] == pytest.approx(1 / 5)
+    assert m["ttft_slo_attainment"] == pytest.approx(2 / 5)
+    assert m["tpot_slo_attainment"] == pytest.approx(2 / 5)
     # goodput: 1 request met both SLOs in 10 s
     assert m["goodput"] == pytest.approx(0.1)
     # output tokens 4 + 3 + 3 + 2 = 12 over 10 s
@@ -88,6 +88,15 @@ def test_aggregate_slo_attainment_goodput_and_throughput():
     # tasks: 8 s and 4 s completed, one cut off
     assert m["tasks_completed"] == 2
     assert m["task_time_s"]["mean"] == pytest.approx(6.0)
+
+
+def test_a_server_that_fails_requests_does_not_gain_attainment_by_it():
+    fast = [_req(float(i), [(i + 0.1, 1), (i + 0.15, 1)]) for i in range(4)]
+    healthy = aggregate(RunRecord(0.0, 10.0, fast), SLO(ttft_s=0.5, tpot_s=0.1))
+    failing = aggregate(RunRecord(0.0, 10.0, fast[:1] + [_req(float(i), [], error="503") for i in range(1, 4)]),
+                        SLO(ttft_s=0.5, tpot_s=0.1))
+    assert healthy["slo_attainment"] == 1.0
+    assert failing["slo_attainment"] == failing["ttft_slo_attainment"] == failing["tpot_slo_attainment"] == 0.25
 
 
 def test_aggregate_of_an_empty_run_is_well_defined():
