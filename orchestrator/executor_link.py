@@ -106,9 +106,10 @@ class ExecutorLink:
         self._heard = float("-inf")  # when the reader thread last received a message (drained or not)
 
     # ---- lifecycle ---------------------------------------------------------------------------
-    def start(self, timeout: float = 600.0, progress: Callable[[float], None] | None = None) -> Ready:
-        """Spawn a fresh executor on fresh rings and wait for its ``Ready``."""
-        ready = self._launch(timeout, progress)
+    def start(self, timeout: float | None = None, progress: Callable[[float], None] | None = None) -> Ready:
+        """Spawn a fresh executor on fresh rings and wait for its ``Ready`` (at most ``timeout`` seconds, by
+        default the rule's ``load_timeout_s``)."""
+        ready = self._launch(self._load_timeout(timeout), progress)
         self._start_reader()
         return ready
 
@@ -129,10 +130,16 @@ class ExecutorLink:
             self.ready = self._await_ready(timeout, progress)
         except BaseException:  # failed, cancelled or interrupted while loading: it would not read a Shutdown
             self.proc.kill()
+            self.proc.wait()
+            self.pair.close()  # a failed start leaves no rings behind, whatever follows it
+            self.pair = None
             raise
         if self.ready.wire_version != WIRE_VERSION:
             raise ExecutorStartError(f"executor speaks ring protocol {self.ready.wire_version}, not {WIRE_VERSION}")
         return self.ready
+
+    def _load_timeout(self, timeout: float | None) -> float:
+        return self.watch.rule.load_timeout_s if timeout is None else timeout
 
     def _start_reader(self) -> None:
         self._closing = threading.Event()  # set by stop(): a RingClosed after it is ours, not the executor's
@@ -140,11 +147,11 @@ class ExecutorLink:
                                         name="result-reader", daemon=True)
         self._reader.start()
 
-    def restart(self, timeout: float = 600.0) -> None:
+    def restart(self, timeout: float | None = None) -> None:
         """:meth:`start` on a thread; its outcome arrives through :meth:`drain` as ``Restarted`` or
         ``RestartFailed``.  :meth:`stop` cancels a restart still loading."""
-        self._starter = threading.Thread(target=self._restart, args=(timeout,), name="executor-restart",
-                                         daemon=True)
+        self._starter = threading.Thread(target=self._restart, args=(self._load_timeout(timeout),),
+                                         name="executor-restart", daemon=True)
         self._starter.start()
 
     def _restart(self, timeout: float) -> None:
@@ -176,7 +183,7 @@ class ExecutorLink:
             if isinstance(msg, ExecError):
                 self.proc.wait(timeout=10)
                 raise ExecutorStartError(msg.message)
-        raise ExecutorStartError(f"executor not ready after {timeout:.0f} s")
+        raise ExecutorStartError(f"executor not ready after {timeout:g} s (limits.executor.load_timeout_s)")
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """Ask the executor to shut down, wait, and release the rings; returns its exit code."""

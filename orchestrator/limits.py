@@ -1,4 +1,4 @@
-"""Serving limits from ``configs/limits.toml``: request bounds, slow-client rules, the executor hang bound.
+"""Serving limits from ``configs/limits.toml``: request bounds, slow-client rules, the executor hang and load bounds.
 
 ``[request]`` becomes :class:`agentserve.protocol.limits.Limits` (the contract the gateway shares);
 ``[clients]`` and ``[executor]`` are the orchestrator's own.
@@ -33,6 +33,7 @@ class ClientRules:
 class HangRule:
     hang_floor_s: float = 10.0
     hang_step_multiple: float = 20.0
+    load_timeout_s: float = 600.0  # an executor not ready this long after its start failed to start
 
     def bound_s(self, slowest_step_s: float) -> float:
         """How long plans may be in flight with no result before the executor counts as hung."""

@@ -13,15 +13,22 @@ from types import SimpleNamespace
 import pytest
 
 from agentserve.executor.builtin import resolve_model
-from agentserve.orchestrator.executor_link import ExecutorDown, ExecutorLink, ExecutorSpec, Restarted, RestartFailed
+from agentserve.orchestrator.executor_link import (
+    ExecutorDown,
+    ExecutorLink,
+    ExecutorSpec,
+    ExecutorStartError,
+    Restarted,
+    RestartFailed,
+)
 from agentserve.orchestrator.limits import HangRule
 from agentserve.protocol.ring_messages import Release
 
 
-def _link() -> ExecutorLink:
+def _link(hang: HangRule | None = None) -> ExecutorLink:
     spec = ExecutorSpec(f"t{uuid.uuid4().hex[:8]}", str(resolve_model("tiny")), ["--dtype", "float32",
                                                                                "--num-blocks", "64"])
-    return ExecutorLink(spec)
+    return ExecutorLink(spec, hang)
 
 
 def _ours(run: str) -> list[str]:
@@ -99,6 +106,23 @@ def _drain_until(link: ExecutorLink, deadline_s: float) -> list[object]:
         time.sleep(0.05)
         got = link.drain()
     return got
+
+
+def test_the_load_bound_comes_from_the_limits_and_a_late_executor_is_killed() -> None:
+    """``limits.executor.load_timeout_s`` bounds start and restart alike (the tiny model takes seconds to load)."""
+    link = _link(HangRule(load_timeout_s=0.3))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ExecutorStartError, match=r"not ready after 0.3 s \(limits.executor.load_timeout_s\)"):
+            link.start()
+        assert time.monotonic() - t0 < 5
+        assert link.proc.wait(timeout=10) != 0  # killed, not left loading
+        link.restart()
+        got = _drain_until(link, 10)
+        assert len(got) == 1 and isinstance(got[0], RestartFailed) and "load_timeout_s" in got[0].reason, got
+    finally:
+        link.close()
+    assert not _ours(link.spec.run)
 
 
 def test_an_executor_that_exits_by_itself_is_reported_down() -> None:
