@@ -120,6 +120,7 @@ class ClientBase:
         self._sent_epoch: dict[int, int] = {}
         self._next_req = ReqCounter()
         self._given_up_opens: set[int] = set()  # reqs of opens whose answer nobody waits for any more
+        self._given_up_epoch = 0  # the connection epoch they were given up in
 
     def _send_nowait(self, msg: Any) -> None:
         """Send ``msg`` if the socket takes it now, expecting no reply; never raises (best effort)."""
@@ -128,8 +129,13 @@ class ClientBase:
     def _give_up(self, msg: Any, arrived: Iterable[Any]) -> None:
         """The caller stopped waiting for ``msg``'s answer (Ctrl-C, a timeout, a cancelled task); ``arrived``: what
         had come for it unread.  The server opens a session whatever became of the request, so an open's
-        ``SessionOpened`` is answered with a close: now if it is in, else once it comes (:meth:`_unclaimed`)."""
+        ``SessionOpened`` is answered with a close: now if it is in, else once it comes (:meth:`_unclaimed`).
+        Those given up on a connection that has since dropped are forgotten: their answers never come, and the
+        server closed the sessions of the connection it lost."""
         if isinstance(msg, OpenSession):
+            if self._given_up_epoch != self._link.epoch:
+                self._given_up_opens.clear()
+                self._given_up_epoch = self._link.epoch
             self._given_up_opens.add(msg.req)
             for event in arrived:
                 self._unclaimed(event)

@@ -203,6 +203,25 @@ def test_a_session_given_up_while_opening_is_closed_once_open(server, monkeypatc
         assert client.session(name="kept").turn("ok").collect().text == "ok"
 
 
+def test_opens_given_up_on_a_dropped_connection_are_forgotten() -> None:
+    """Their answers never come (the server closed the lost connection's sessions): no entry per give-up for good."""
+    import zmq
+
+    from agentserve.client.transport import ClientBase
+    from agentserve.protocol.client_messages import OpenSession
+
+    client = ClientBase(zmq.Context(), "ipc:///tmp/agentserve-test-unused.sock", 1.0, 1.0, 1000)
+    try:
+        client._give_up(OpenSession(req=1, version=1), [])
+        client._give_up(OpenSession(req=2, version=1), [])
+        assert client._given_up_opens == {1, 2}
+        client._link.epoch += 1  # the connection dropped
+        client._give_up(OpenSession(req=3, version=1), [])
+        assert client._given_up_opens == {3}
+    finally:
+        client._close_sockets()
+
+
 def test_an_error_code_this_sdk_does_not_know_is_still_its_requests_error() -> None:
     """A newer server's error code: the request fails at once with a plain AgentServeError naming the code, instead
     of an undecodable frame that leaves it waiting for its timeout; other undecodable frames stay violations."""
