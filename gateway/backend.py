@@ -13,13 +13,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from agentserve.client import AgentServeError, AsyncAgentClient, AsyncSession
+from agentserve.client import AgentServeError, AsyncAgentClient, AsyncSession, LimitExceeded, ServerBusy
 from agentserve.gateway.conversations import ConversationMap
 from agentserve.gateway.errors import APIError, not_found, unavailable
 from agentserve.gateway.metrics import Metrics
 from agentserve.gateway.token_conversations import TokenConversationMap
 from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.client_messages import Welcome
+from agentserve.protocol.limits import SESSION_LIMIT
 from agentserve.protocol.stats import Snapshot, decode_snapshot
 
 log = logging.getLogger("agentserve.gateway")
@@ -127,10 +128,28 @@ class Backend:
         data = await asyncio.wait_for(client.stats(), timeout)
         return decode_snapshot(data)
 
-    async def open_session(self, system: str, tools: list[dict[str, Any]] | None, name: str = "http"
-                           ) -> AsyncSession:
+    async def open_session(self, system: str = "", tools: list[dict[str, Any]] | None = None, name: str = "http",
+                           parse_tool_calls: bool = True) -> AsyncSession:
+        """A new session (closed if the request is cancelled meanwhile).  Where the orchestrator refuses it
+        because this connection holds its limit of sessions, the conversation filed longest ago is closed and the
+        open retried; with none filed (every session is a request in flight) the answer is ``busy``."""
         client, _, _ = self.require()
-        return await client.session(system=system, tools=tools or None, name=name)  # closed if cancelled meanwhile
+        while True:
+            try:
+                return await client.session(system=system, tools=tools or None, name=name,
+                                            parse_tool_calls=parse_tool_calls)
+            except LimitExceeded as e:
+                if SESSION_LIMIT not in e.message:
+                    raise
+                idle = self._pop_idlest()
+                if idle is None:
+                    raise ServerBusy(f"{e.message}, every one a request in flight; retry shortly") from None
+                await self._close(idle)  # before the retry: the orchestrator handles a connection's requests in order
+
+    def _pop_idlest(self) -> AsyncSession | None:
+        """The session filed longest ago in either conversation map (it leaves its map); None if both are empty."""
+        maps = [m for m in (self.conversations, self.token_conversations) if len(m)]
+        return min(maps, key=lambda m: m.oldest_filed_at()).pop_oldest() if maps else None
 
     def close_later(self, session: AsyncSession) -> None:
         """Close ``session`` in the background (frees its KV); errors are only logged."""

@@ -69,7 +69,7 @@ class CompletionRun:
         self._first: Any = None
 
     async def start(self) -> None:
-        client, _, _ = self.backend.require()
+        self.backend.require()
         taken = self.backend.token_conversations.take(self.prompt)
         if taken is not None:
             self.session, held = taken
@@ -77,7 +77,7 @@ class CompletionRun:
             new = self.prompt[held:]
         else:
             try:
-                self.session = await client.session(name="http-completions", parse_tool_calls=False)
+                self.session = await self.backend.open_session(name="http-completions", parse_tool_calls=False)
             except AgentServeError as e:
                 raise from_client_error(e) from None
             new = self.prompt

@@ -72,6 +72,13 @@ class ConversationMap:
             _, evicted = self._map.popitem(last=False)
             self._on_evict(evicted.session)
 
+    def oldest_filed_at(self) -> float | None:
+        return next(iter(self._map.values())).filed_at if self._map else None
+
+    def pop_oldest(self) -> Any:
+        """The session filed longest ago (it leaves the map); the map must not be empty."""
+        return self._map.popitem(last=False)[1].session
+
     def sweep(self) -> int:
         """Close the sessions idle for ``idle_s``; returns how many."""
         cutoff = self._clock() - self.idle_s

@@ -54,6 +54,13 @@ class TokenConversationMap:
         while len(self._map) > self.capacity:
             self._on_evict(self._pop(next(iter(self._map))))
 
+    def oldest_filed_at(self) -> float | None:
+        return next(iter(self._map.values()))[2] if self._map else None
+
+    def pop_oldest(self) -> Any:
+        """The session filed longest ago (it leaves the map); the map must not be empty."""
+        return self._pop(next(iter(self._map)))
+
     def sweep(self) -> int:
         """Close the sessions idle for ``idle_s``; returns how many."""
         cutoff = self._clock() - self.idle_s

@@ -70,6 +70,7 @@ from agentserve.protocol.client_messages import (
     Turn,
     TurnDone,
 )
+from agentserve.protocol.limits import SESSION_LIMIT
 from agentserve.protocol.ring_messages import ExecError, Plan, Ready, Result
 from agentserve.protocol.sampling import Finish
 from agentserve.shm.errors import MessageTooLarge
@@ -339,7 +340,7 @@ class Server:
     def _open(self, client: bytes, msg: OpenSession) -> None:
         held, bound = self.sessions.count(client), self.options.limits.clients.max_sessions
         if held >= bound:
-            why = f"this connection holds {held} open sessions, the limit of {bound} (limits.clients.max_sessions)"
+            why = f"this connection holds {held} open sessions, the limit of {bound} ({SESSION_LIMIT})"
             raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, why, msg.req)
         conv = Conversation(self.tokenizer, system=msg.system, tools=list(msg.tools))
         rec = SessionRecord(self.sessions.new_id(), client, msg.options.name, conv, msg.options.parse_tool_calls)

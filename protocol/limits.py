@@ -14,6 +14,10 @@ from typing import Any
 
 from agentserve.protocol.client_messages import ErrorCode, Hello, OpenSession, ProtocolError, Turn
 
+# Named in the ``limit_exceeded`` that refuses an open past a connection's session bound (``[clients]``): a client
+# holding idle sessions (the HTTP gateway's conversation maps) closes one and retries.
+SESSION_LIMIT = "limits.clients.max_sessions"
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
