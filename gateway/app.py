@@ -19,7 +19,7 @@ from agentserve.gateway.backend import Backend, GatewayOptions
 from agentserve.gateway.chat import chat_completions
 from agentserve.gateway.completions import completions
 from agentserve.gateway.errors import APIError, bad_request, unauthorized
-from agentserve.gateway.info_routes import health, metrics, models
+from agentserve.gateway.info_routes import health, metrics, model, models
 from agentserve.gateway.tokenize_routes import detokenize, tokenize
 from agentserve.gateway.worker_routes import flush_cache, get_load, health_generate, model_info, server_info
 
@@ -33,12 +33,13 @@ class APIKeyCheck:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.expected):
                 await JSONResponse(unauthorized().body(), status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -75,6 +76,7 @@ def routes() -> list[Route]:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),

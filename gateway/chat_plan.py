@@ -16,7 +16,7 @@ from agentserve.gateway.conversations import chain
 from agentserve.gateway.errors import bad_request
 from agentserve.gateway.logprobs import chat_options
 from agentserve.gateway.messages import Canonical, Translated, translate
-from agentserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
+from agentserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields, check_unsupported
 from agentserve.orchestrator.text.tool_formats import ToolCallFormat
 from agentserve.protocol.client_messages import Constraint, Message
 
@@ -50,6 +50,9 @@ class ChatPlan:
         return self.options | ({"seed": seed + index} if seed is not None and index else {})
 
 
+MAX_INT64 = 2**63 - 1
+
+
 def sampling_options(req: SamplingFields, max_tokens: int | None, opts: GatewayOptions,
                      max_model_len: int) -> dict[str, Any]:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -57,8 +60,11 @@ def sampling_options(req: SamplingFields, max_tokens: int | None, opts: GatewayO
         raise bad_request(f"at most {opts.max_stop} stop sequences", param="stop")
     if any(not s for s in stops):
         raise bad_request("stop sequences must not be empty", param="stop")
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request("max_tokens must be at least 1", param="max_tokens")
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_INT64:  # past the context: clamped to it, below
+        raise bad_request(f"max_tokens must be between 1 and {MAX_INT64}", param="max_tokens")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
+    check_unsupported(req)
     if not 1 <= req.n <= opts.max_n:
         raise bad_request(f"n must be between 1 and {opts.max_n}", param="n")
     out: dict[str, Any] = {"max_tokens": min(max_tokens or max_model_len, max_model_len), "stop": stops,
@@ -113,7 +119,8 @@ def constraint(req: ChatCompletionRequest) -> Constraint | None:
         raise bad_request("response_format and a forced tool_choice cannot be combined", param="tool_choice")
     if not schema and not forced:
         return None
-    parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
+    # a named function is one call (as OpenAI and vLLM answer it); otherwise parallel unless told not to
+    parallel = not isinstance(choice, NamedToolChoice) and req.parallel_tool_calls is not False
     return Constraint(json_schema=schema, tool_choice=forced, parallel_tool_calls=parallel)
 
 

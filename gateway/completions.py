@@ -176,7 +176,7 @@ async def stream(run: CompletionRun, head: dict[str, Any], with_ids: bool, inclu
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if with_ids:
             choice["token_ids"] = ids or []
-        return sse.event({**head, "choices": [choice]})
+        return sse.event({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
 
     try:
         async for event in run.events():

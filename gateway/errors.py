@@ -78,8 +78,12 @@ _STATUS: list[tuple[type[AgentServeError], int, str]] = [
 
 
 def from_client_error(error: AgentServeError) -> APIError:
-    """The HTTP answer for an error the orchestrator (or the SDK) raised."""
+    """The HTTP answer for an error the orchestrator (or the SDK) raised.  A prompt over the context gets OpenAI's
+    code, ``context_length_exceeded``, which clients look for to trim or summarise (langchain-openai's
+    ``ContextOverflowError``)."""
     code = error.code.value if error.code is not None else None
+    if isinstance(error, PromptTooLong):
+        code = "context_length_exceeded"
     for cls, status, kind in _STATUS:
         if isinstance(error, cls):
             return APIError(status, error.message, type=kind, code=code)

@@ -1,4 +1,4 @@
-"""``GET /health``, ``GET /v1/models`` and ``GET /metrics``.
+"""``GET /health``, ``GET /v1/models`` (and ``/v1/models/{id}``) and ``GET /metrics``.
 
 ``/health`` is 200 when the orchestrator answers and its executor is serving; 503 while the gateway
 is still connecting, while the executor restarts after a crash, or when the orchestrator does not
@@ -32,12 +32,21 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-async def models(request: Request) -> Response:
-    backend: Backend = request.app.state.backend
+def _card(backend: Backend) -> dict[str, object]:
     _, welcome, _ = backend.require()
-    card = {"id": backend.model_name, "object": "model", "created": STARTED, "owned_by": "agentserve",
+    return {"id": backend.model_name, "object": "model", "created": STARTED, "owned_by": "agentserve",
             "root": welcome.model, "parent": None, "max_model_len": welcome.max_model_len}
-    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_card(request.app.state.backend)]})
+
+
+async def model(request: Request) -> Response:
+    """``GET /v1/models/{id}``: the served model's card under its served name or its checkpoint path; else 404."""
+    backend: Backend = request.app.state.backend
+    backend.check_model(request.path_params["model"])
+    return JSONResponse(_card(backend))
 
 
 async def metrics(request: Request) -> Response:

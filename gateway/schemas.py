@@ -1,8 +1,10 @@
 """The request bodies of the OpenAI API as msgspec structs: decoding is validation.
 
 Unknown fields are accepted and ignored (``user``, ``metadata``, ``store``, ``prompt_cache_key``,
-``reasoning_effort``, ...), as OpenAI-compatible servers do.  A body that does not decode into these
-types is a 400 naming the field (:func:`decode_body`).
+``reasoning_effort``, ...), as OpenAI-compatible servers do, except those that would change what is sampled:
+they are declared here and a value other than their neutral one is a 400 (:func:`check_unsupported`).  An
+explicit ``null`` means the default, as OpenAI reads it.  A body that does not decode into these types is a 400
+naming the field (:func:`decode_body`).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class SamplingFields(_Body, kw_only=True):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -87,9 +89,18 @@ class SamplingFields(_Body, kw_only=True):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int | None = 1
     logprobs: bool | int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
+    frequency_penalty: float | None = None  # not implemented: only their neutral values are accepted
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        self.stream = bool(self.stream)
+        self.ignore_eos = bool(self.ignore_eos)
+        self.n = 1 if self.n is None else self.n
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -104,13 +115,20 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[Any]  # a string, token ids, or a batch of either (checked by the handler)
-    echo: bool = False
+    echo: bool | None = False
+    best_of: int | None = None  # not implemented: only 1 is accepted
+    suffix: str | None = None  # not implemented: only an empty one is accepted
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.echo = bool(self.echo)
 
 
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -121,6 +139,21 @@ class DetokenizeRequest(_Body):
 
 
 B = TypeVar("B", bound=_Body)
+
+# field -> its neutral values: anything else asks for sampling this server does not do
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0.0), "presence_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
+    "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
+}
+
+
+def check_unsupported(req: _Body) -> None:
+    """A 400 for a field that would change the output and that this server does not implement (silently ignoring
+    it would answer something else than asked)."""
+    for name, neutral in _UNSUPPORTED.items():
+        if getattr(req, name, None) not in neutral:
+            raise bad_request(f"`{name}` is not supported by this server (only {neutral[1]!r} is accepted)",
+                              param=name, code="unsupported_parameter")
 
 
 def decode_body(data: bytes, kind: type[B]) -> B:

@@ -32,12 +32,15 @@ def test_token_ids_and_a_resent_history_continue_the_session(http, http_server) 
     ids = [t for e in events if e["choices"] for t in e["choices"][0]["token_ids"]]
     assert len(ids) == 6
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= (len(body["prompt"]) + 6) // 16 * 16
+    assert all("usage" in e and e["usage"] is None for e in events[:-1])  # as chat's chunks, as OpenAI sends them
     assert len(http_server.snapshot().sessions) == sessions, "the resent history went to the same session"
 
 
 def test_models_tokenize_detokenize(http, openai_client) -> None:
     (model,) = openai_client.models.list().data
     assert model.id == "tiny" and model.object == "model"
+    assert openai_client.models.retrieve("tiny").id == "tiny"
+    assert http.get("/v1/models/gpt-5").status_code == 404
     tok = http.post("/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 4096
     assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "hello world"

@@ -34,6 +34,11 @@ def _error(r, status: int) -> dict:
         (OK | {"tool_choice": "sometimes"}, "tool_choice"),
         (OK | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "messages[0].content[0]"),
+        (OK | {"max_tokens": 2**64}, "max_tokens"),
+        (OK | {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+        (OK | {"presence_penalty": 0.5}, "presence_penalty"),  # would change what is sampled: not ignored
+        (OK | {"frequency_penalty": -1}, "frequency_penalty"),
+        (OK | {"logit_bias": {"5": -100}}, "logit_bias"),
     ],
 )
 def test_invalid_fields_are_400(http, body, param) -> None:
@@ -46,7 +51,7 @@ def test_invalid_fields_are_400(http, body, param) -> None:
 def test_bad_json_too_long_prompt_unknown_model_and_route(http) -> None:
     _error(http.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}), 400)
     long = {"messages": [{"role": "user", "content": "word " * 6000}], "max_tokens": 2}
-    assert _error(http.post("/v1/chat/completions", json=long), 400)["code"] == "prompt_too_long"
+    assert _error(http.post("/v1/chat/completions", json=long), 400)["code"] == "context_length_exceeded"
     assert _error(http.post("/v1/chat/completions", json=OK | {"model": "gpt-5"}), 404)["param"] == "model"
     _error(http.get("/v1/no/such/route"), 404)
 
@@ -60,9 +65,24 @@ def test_missing_or_wrong_api_key_is_401_but_health_is_open(http_server) -> None
     import httpx
 
     assert httpx.post(http_server.url + "/v1/chat/completions", json=OK).status_code == 401
-    wrong = {"Authorization": "Bearer nope"}
-    _error(httpx.post(http_server.url + "/v1/chat/completions", json=OK, headers=wrong), 401)
+    for wrong in ("Bearer nope", f"Basic {http_server.api_key}", http_server.api_key, f"Bearer {http_server.api_key}x"):
+        _error(httpx.post(http_server.url + "/v1/chat/completions", json=OK, headers={"Authorization": wrong}), 401)
+    lower = {"Authorization": f"bearer {http_server.api_key}"}  # the scheme is case-insensitive (RFC 9110)
+    assert httpx.post(http_server.url + "/v1/chat/completions", json=OK, headers=lower).status_code == 200
     assert httpx.get(http_server.url + "/health").status_code == 200
+
+
+def test_explicit_nulls_and_neutral_values_are_the_defaults(http) -> None:
+    """Clients that send every field send null for the unset ones; OpenAI reads that as the default."""
+    nulls = {"stream": None, "n": None, "ignore_eos": None, "stream_options": None, "logprobs": None}
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}}
+    r = http.post("/v1/chat/completions", json=OK | nulls | neutral)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": None, "echo": None,
+                                           "best_of": 1, "suffix": None})
+    assert r.status_code == 200, r.text
+    _error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of": 3}), 400)
+    _error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "suffix": "end"}), 400)
 
 
 def test_sdk_sees_typed_errors_and_the_server_keeps_serving(openai_client) -> None:

@@ -147,5 +147,5 @@ def test_a_refused_turn_is_not_counted_as_an_abort(http_server, http) -> None:
     assert http.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 2}).status_code == 400
     body = {"messages": [{"role": "user", "content": "many words " * 20_000}], "max_tokens": 2}
     r = http.post("/v1/chat/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_long"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert value(scrape(http_server.url), ok, ok + "_total", finished_reason="abort") == before
