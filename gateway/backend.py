@@ -113,8 +113,8 @@ class Backend:
 
     @property
     def vocab_size(self) -> int:
-        """Tokens the tokenizer knows (the model's own vocabulary may be padded beyond it)."""
-        return self.tokenizer.vocab_size if self.tokenizer is not None else 0
+        """The model's vocabulary (``config.json``'s, often padded past the tokenizer's): ids a prompt may hold."""
+        return self.tokenizer.model_vocab_size if self.tokenizer is not None else 0
 
     def check_model(self, model: str | None) -> None:
         """``model`` may be omitted, the served name, or the checkpoint path; anything else is a 404."""

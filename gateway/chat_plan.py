@@ -16,7 +16,7 @@ from agentserve.gateway.conversations import chain
 from agentserve.gateway.errors import bad_request
 from agentserve.gateway.logprobs import chat_options
 from agentserve.gateway.messages import Canonical, Translated, translate
-from agentserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields, check_unsupported
+from agentserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields, Tool, check_unsupported
 from agentserve.orchestrator.text.tool_formats import ToolCallFormat
 from agentserve.protocol.client_messages import Constraint, Message
 
@@ -78,9 +78,10 @@ def sampling_options(req: SamplingFields, max_tokens: int | None, opts: GatewayO
     return out
 
 
-def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def tool_dicts(tools_in: list[Tool] | None) -> list[dict[str, Any]]:
+    """A request's function tools as the chat template and the orchestrator take them."""
     tools = []
-    for t in req.tools or []:
+    for t in tools_in or []:
         fn: dict[str, Any] = {"name": t.function.name}
         if t.function.description is not None:
             fn["description"] = t.function.description
@@ -131,7 +132,7 @@ def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
     if len(req.messages) > opts.max_messages:
         raise bad_request(f"at most {opts.max_messages} messages", param="messages")
     translated = translate(req.messages)
-    tools = _tools(req)
+    tools = tool_dicts(req.tools)
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tool names must be unique", param="tools")

@@ -3,9 +3,12 @@
 The orchestrator sends each token's logprob (and, when asked, its most likely alternatives) with the
 token; a :class:`LogprobLog` keeps them in order and renders the not-yet-sent part for a stream chunk or
 all of it for a whole answer.  A token's text is the checkpoint tokenizer's decoding of that one id
-(special tokens kept), its ``bytes`` that text's UTF-8 — a token that is part of one character decodes to
-U+FFFD, as in vLLM.  A logprob of ``-inf`` (a token the grammar ruled out) is written as -9999.0, OpenAI's
-stand-in: JSON has no infinity.
+(special tokens kept) — a token that is part of one character decodes to U+FFFD, as in vLLM — and its
+``bytes`` are the token's own raw bytes, so a client joins split characters back together.  A legacy
+``text_offset`` indexes the text the answer returns: the length of what the tokens before it decode to,
+as the orchestrator detokenizes the output (special tokens skipped, a partial character held back until it is
+whole).  A logprob of ``-inf`` (a token the grammar ruled out) is written as -9999.0, OpenAI's stand-in: JSON
+has no infinity.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from agentserve.client import TokenIds
 from agentserve.gateway.errors import bad_request
-from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.orchestrator.text.tokenization import IncrementalDetokenizer, Tokenizer
 from agentserve.protocol.sampling import MAX_TOP_LOGPROBS
 
 FLOOR = -9999.0
@@ -56,15 +59,15 @@ class LogprobLog:
     tokens: list[tuple[int, float, Alternatives]] = field(default_factory=list)
     sent: int = 0
     _texts: dict[int, str] = field(default_factory=dict)
+    _bytes: dict[int, list[int]] = field(default_factory=dict)
     _offsets: list[int] = field(default_factory=list)  # where each token's text starts in the output
-    _chars: int = 0
+    _chars: int = 0  # the length of the text the tokens counted in _offsets decode to
+    _detok: IncrementalDetokenizer | None = None
 
     def add(self, event: TokenIds) -> None:
         for i, (token, logprob) in enumerate(zip(event.token_ids, event.logprobs, strict=False)):
             tops = event.top_logprobs[i] if i < len(event.top_logprobs) else []
             self.tokens.append((token, logprob, tops))
-            self._offsets.append(self._chars)
-            self._chars += len(self.text(token))
 
     def take(self) -> tuple[int, list[tuple[int, float, Alternatives]]]:
         """The index of the first token not sent yet, and those tokens (now counted as sent)."""
@@ -76,9 +79,23 @@ class LogprobLog:
             self._texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return self._texts[token]
 
+    def _raw(self, token: int) -> list[int]:
+        if token not in self._bytes:
+            self._bytes[token] = list(self.tokenizer.token_bytes(token))
+        return self._bytes[token]
+
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.text(token)
-        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+        return {"token": self.text(token), "logprob": finite(logprob), "bytes": self._raw(token)}
+
+    def _offsets_to(self, end: int) -> list[int]:
+        """The text offsets of the first ``end`` tokens, extended from those already known (each token is
+        detokenized once: the detokenizer decodes a window of a few tokens, never the whole output)."""
+        if self._detok is None:  # only the legacy object needs it: the orchestrator's detokenization
+            self._detok = self.tokenizer.detokenizer(skip_special_tokens=True)
+        for token, _, _ in self.tokens[len(self._offsets):end]:
+            self._offsets.append(self._chars)
+            self._chars += len(self._detok.add(token))
+        return self._offsets
 
     def chat(self, tokens: list[tuple[int, float, Alternatives]]) -> dict[str, Any]:
         """Chat's ``logprobs`` object for ``tokens``."""
@@ -89,7 +106,7 @@ class LogprobLog:
     def legacy(self, start: int, tokens: list[tuple[int, float, Alternatives]]) -> dict[str, Any]:
         """The completions ``logprobs`` object for ``tokens``, the output's tokens from index ``start``."""
         texts = [self.text(t) for t, _, _ in tokens]
-        offsets = self._offsets[start:start + len(tokens)]
+        offsets = self._offsets_to(start + len(tokens))[start:start + len(tokens)]
         tops = [{self.text(a): finite(alp) for a, alp in alts} for _, _, alts in tokens]
         return {"tokens": texts, "token_logprobs": [finite(lp) for _, lp, _ in tokens],
                 "top_logprobs": tops, "text_offset": offsets}

@@ -129,7 +129,7 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # unset: True for a prompt, False for messages (their template's), as vLLM
     add_generation_prompt: bool = True
 
 

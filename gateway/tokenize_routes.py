@@ -1,4 +1,10 @@
-"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), with the checkpoint's own tokenizer."""
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), with the checkpoint's own tokenizer.
+
+``messages`` (with ``tools``) are rendered as a chat request's prompt is, so ``count`` is its ``prompt_tokens``;
+``add_special_tokens`` adds the tokenizer's own (a BOS) on top of the template's, False by default there as in
+vLLM.  ``/detokenize`` takes any id of the model's vocabulary, which may be padded past the tokenizer's: an id the
+tokenizer does not know reads "".
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from agentserve.gateway.backend import Backend
 from agentserve.gateway.body import read_body
+from agentserve.gateway.chat_plan import tool_dicts
 from agentserve.gateway.errors import bad_request
 from agentserve.gateway.messages import translate
 from agentserve.gateway.schemas import DetokenizeRequest, TokenizeRequest, decode_body
@@ -30,13 +37,16 @@ async def tokenize(request: Request) -> Response:
 
 def _token_ids(req: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
     if req.prompt is not None:
-        return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     t = translate(req.messages or [])
     head = [Message("system", t.system)] if t.system else []
+    tools = tool_dicts(req.tools) or None  # as a chat request sends them
     try:
-        return tokenizer.encode_chat([m.as_dict() for m in head + t.messages], None, req.add_generation_prompt)
+        text = tokenizer.apply_chat_template([m.as_dict() for m in head + t.messages], tools,
+                                             req.add_generation_prompt)
     except ChatTemplateError as e:
         raise bad_request(f"cannot render the conversation: {e}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))  # unset (None): False, as vLLM
 
 
 async def detokenize(request: Request) -> Response:
@@ -46,4 +56,5 @@ async def detokenize(request: Request) -> Response:
     backend.check_model(req.model)
     if any(t < 0 or t >= backend.vocab_size for t in req.tokens):
         raise bad_request(f"token ids must be in [0, {backend.vocab_size})", param="tokens")
-    return JSONResponse({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})
+    return JSONResponse({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})  # unknown ids: ""
+

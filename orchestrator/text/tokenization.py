@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,9 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 
 
 GIL_FREE_ENCODE_CHARS = 4096  # longer texts are encoded without holding the GIL (a worker thread's texts)
+
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens (Llama, Mistral, ...)
+
 
 class TokenizerError(ValueError):
     """A tokenizer file is missing or malformed."""
@@ -64,6 +68,14 @@ def _as_id_list(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int)]
     return []
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character → byte: printable Latin-1 bytes stand for themselves, the others
+    for U+0100, U+0101, ... in byte order."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(0x100 + i): b for i, b in enumerate(moved)}
 
 
 def _chat_templates(folder: Path, config: dict[str, Any]) -> dict[str, str]:
@@ -133,6 +145,39 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of tokens the tokenizer knows (the model's vocab may be padded beyond it)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def model_vocab_size(self) -> int:
+        """The model's vocabulary (``config.json``'s ``vocab_size``, the rows the executor loads: often padded past
+        the tokenizer's); the tokenizer's own size where the folder does not say."""
+        size = _read_json(self.folder / "config.json").get("vocab_size") if self.folder else None
+        return size if isinstance(size, int) and size > 0 else self.vocab_size
+
+    @functools.cached_property
+    def _byte_level(self) -> dict[str, int] | None:
+        """The byte-level alphabet when the decoder maps pieces through it (GPT-2, Llama 3, Qwen), else None."""
+        decoder = self._tok.decoder
+        state = json.loads(decoder.__getstate__()) if decoder is not None else {}
+        kinds = {d.get("type") for d in [state, *state.get("decoders", [])]}
+        return _byte_level_alphabet() if "ByteLevel" in kinds else None
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's raw bytes: a byte-level or ``<0xNN>`` piece's own (part of a character where its decoding
+        reads U+FFFD); an added token's or any other piece's decoding as UTF-8; none for an id it does not know."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id not in self._added_ids:
+            if byte := BYTE_FALLBACK.fullmatch(piece):
+                return bytes([int(byte[1], 16)])
+            alphabet = self._byte_level
+            if alphabet is not None and all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     @functools.cached_property
     def tool_call_format(self) -> ToolCallFormat:

@@ -9,7 +9,10 @@ import math
 import pytest
 import torch
 
-from agentserve.executor.builtin import resolve_model
+from agentserve.client import TokenIds
+from agentserve.executor.builtin import build_tokenizer, resolve_model
+from agentserve.gateway.logprobs import LogprobLog
+from agentserve.orchestrator.text.tokenization import Tokenizer
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12] * 4
 
@@ -28,7 +31,7 @@ def test_chat_logprobs_shape_and_streamed_equal_whole(openai_client) -> None:
     whole, completion_tokens = chat_logprobs(openai_client, stream=False)
     assert len(whole) == completion_tokens == 10
     for entry in whole:
-        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode("utf-8"))
+        assert entry.logprob <= 0 and (entry.token == "\ufffd" or entry.bytes == list(entry.token.encode("utf-8")))
         tops = [t.logprob for t in entry.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)
         # greedy: the chosen token is the most likely one
@@ -68,8 +71,7 @@ def test_completion_logprobs_match_transformers(http) -> None:
     choice = http.post("/v1/completions", json=body).json()["choices"][0]
     out, lp = choice["token_ids"], choice["logprobs"]
     assert len(out) == len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
-    lengths = [len(t) for t in lp["tokens"]]
-    assert lp["text_offset"] == [sum(lengths[:i]) for i in range(6)]
+    assert_offsets_index(choice["text"], lp["tokens"], lp["text_offset"])
     for (ids, values), chosen, got, tops in zip(hf_top(PROMPT, out, 4), out, lp["token_logprobs"],
                                                 lp["top_logprobs"], strict=True):
         assert chosen == ids[0] and got == pytest.approx(values[0], abs=5e-3)
@@ -84,3 +86,52 @@ def test_completion_logprobs_streamed_equal_whole(http) -> None:
     parts = [e["choices"][0]["logprobs"] for e in events if e["choices"] and e["choices"][0]["logprobs"]]
     for key in ("tokens", "token_logprobs", "text_offset"):
         assert [v for p in parts for v in p[key]] == whole[key], key
+
+
+def assert_offsets_index(text: str, tokens: list[str], offsets: list[int]) -> None:
+    """Each offset points into ``text`` where its token's text is (a part of a character reads U+FFFD alone)."""
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets), (text, offsets)
+    for token, offset in zip(tokens, offsets, strict=True):
+        assert "\ufffd" in token or text[offset:offset + len(token)] == token, (text, token, offset)
+
+
+def tiny_log(ids: list[int]) -> LogprobLog:
+    log = LogprobLog(Tokenizer(build_tokenizer(), {}, {}, []))
+    log.add(TokenIds(ids, 0.0, 0.0, [-1.0] * len(ids), [[(i, -1.0)] for i in ids]))
+    return log
+
+
+def test_text_offsets_index_the_text_past_split_characters() -> None:
+    """A token inside a character decodes to U+FFFD alone; counted as one character each, every later offset
+    drifted (and the last could be the text's length)."""
+    ids = [*"aé b€!".encode(), 256, 300]  # byte-level ids: 2 + 3 tokens of split characters; then eos, a padded id
+    log = LogprobLog(Tokenizer(build_tokenizer(), {}, {}, []))
+    streamed: list[int] = []
+    for chunk in (ids[:2], ids[2:5], ids[5:7], ids[7:]):
+        log.add(TokenIds(chunk, 0.0, 0.0, [-1.0] * len(chunk)))
+        streamed += log.legacy(*log.take())["text_offset"]
+    whole = log.legacy(0, log.tokens)
+    assert whole["text_offset"] == streamed == [0, 1, 1, 2, 3, 4, 4, 4, 5, 6, 6]
+    assert_offsets_index("aé b€!", whole["tokens"][:-2], whole["text_offset"][:-2])
+
+
+def test_bytes_are_each_token_s_raw_bytes() -> None:
+    """Joined, the bytes rebuild the split characters; the token text stays the lone decoding (U+FFFD)."""
+    log = tiny_log([*"é€".encode(), 256, 300])
+    content = log.chat(log.tokens)["content"]
+    assert [e["token"] for e in content] == ["\ufffd"] * 5 + ["<|endoftext|>", ""]
+    assert b"".join(bytes(e["bytes"]) for e in content) == "é€<|endoftext|>".encode()
+    assert [e["top_logprobs"][0]["bytes"] for e in content[:2]] == [[0xC3], [0xA9]]
+
+
+def test_token_bytes_of_byte_fallback_pieces() -> None:
+    """SentencePiece checkpoints (Llama 2, Mistral) spell a character they lack as ``<0xNN>`` byte tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "<0xC3>": 1, "<0xA9>": 2, "▁caf": 3}
+    hf = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = Tokenizer(hf, {}, {}, [])
+    assert tokenizer.decode([3, 1, 2]) == " café" and tokenizer.decode([1]) == "\ufffd"
+    assert [tokenizer.token_bytes(i) for i in (3, 1, 2, 99)] == [b" caf", b"\xc3", b"\xa9", b""]

@@ -1,0 +1,50 @@
+"""``/tokenize`` counts what a chat request's prompt holds (tools included); ``/detokenize`` takes every id of the
+model's vocabulary, as ``/v1/completions`` does."""
+
+from __future__ import annotations
+
+from tokenizers import processors
+
+from agentserve.executor.builtin import build_tokenizer
+from agentserve.executor.builtin_template import CHAT_TEMPLATE
+from agentserve.gateway.schemas import TokenizeRequest, decode_body
+from agentserve.gateway.tokenize_routes import _token_ids
+from agentserve.orchestrator.text.tokenization import Tokenizer
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_messages_with_tools_count_as_the_chat_prompt(http) -> None:
+    chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 1})
+    assert chat.status_code == 200, chat.text
+    counted = http.post("/tokenize", json={"messages": MESSAGES, "tools": TOOLS}).json()
+    assert counted["count"] == len(counted["tokens"]) == chat.json()["usage"]["prompt_tokens"]
+    assert http.post("/tokenize", json={"messages": MESSAGES}).json()["count"] < counted["count"]
+
+
+def test_add_special_tokens_on_messages() -> None:
+    """The tokenizer's own special tokens (a BOS) on top of the template's, only when asked."""
+    hf = build_tokenizer()
+    bos = ("<|endoftext|>", 256)
+    hf.post_processor = processors.TemplateProcessing(single=f"{bos[0]} $A", special_tokens=[bos])
+    tokenizer = Tokenizer(hf, {}, {"default": CHAT_TEMPLATE}, [])
+
+    def ids(add: bool) -> list[int]:
+        body = f'{{"messages": [{{"role": "user", "content": "hi"}}], "add_special_tokens": {str(add).lower()}}}'
+        return _token_ids(decode_body(body.encode(), TokenizeRequest), tokenizer)
+
+    with_bos, without = ids(True), ids(False)
+    assert with_bos == [256, *without] and without[0] != 256
+
+
+def test_detokenize_takes_the_models_padded_ids(http) -> None:
+    """The tiny model has 320 rows, its tokenizer 261 entries: ids in between are the model's, and read ""."""
+    assert http.post("/v1/completions", json={"prompt": [104, 300, 105], "max_tokens": 1}).status_code == 200
+    r = http.post("/detokenize", json={"tokens": [104, 300, 105, 319]})
+    assert r.status_code == 200 and r.json()["prompt"] == "hi", r.text
+    for bad in (320, -1):
+        r = http.post("/detokenize", json={"tokens": [104, bad]})
+        assert r.status_code == 400 and "[0, 320)" in r.json()["error"]["message"], r.text
