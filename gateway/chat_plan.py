@@ -32,6 +32,7 @@ class ChatPlan:
     stream: bool
     include_usage: bool
     seed_digest: bytes  # what else a continuation must match: the model and the tools
+    max_calls: int | None = None  # 1 with parallel_tool_calls false: the calls past it are left out
 
     def digests(self, extra: list[Canonical] | None = None) -> list[bytes]:
         return chain(self.seed_digest, [*self.translated.canonical, *(extra or [])])
@@ -147,4 +148,5 @@ def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
         model=backend.model_name, translated=translated, tools=tools,
         tool_format=tokenizer.tool_call_format if scan else None, options=options, n=req.n, stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage), seed_digest=seed,
+        max_calls=1 if req.parallel_tool_calls is False else None,
     )

@@ -27,7 +27,7 @@ class ChoiceRun:
         self.backend = backend
         self.plan = plan
         self.index = index
-        self.streamer = ReplyStreamer(plan.tool_format)
+        self.streamer = ReplyStreamer(plan.tool_format, plan.max_calls)
         self.logprobs = LogprobLog(backend.require()[2]) if plan.logprobs else None
         self.session: Any = None
         self.resumed = False
@@ -122,8 +122,8 @@ class ChoiceRun:
         session, self.session = self.session, None
         if session is None:
             return
-        if self.done is None or self.done.finish == FinishReason.ABORT:
-            self.backend.close_later(session)
+        if self.done is None or self.done.finish == FinishReason.ABORT or self.streamer.dropped:
+            self.backend.close_later(session)  # dropped calls: its context holds what the answer left out
             return
         self.backend.conversations.file(self.plan.digests([self.reply()])[-1], session)
 

@@ -7,6 +7,8 @@ id, type and name, then fragments of its arguments' JSON text.  :meth:`finish` s
 
 The non-streamed answer is the sum of these deltas, so streamed and non-streamed output are equal
 by construction.  A reply that never got a valid call (and had no call's name sent) is all content.
+With ``max_calls`` (``parallel_tool_calls: false``) the calls past it are left out of the answer and
+:attr:`ReplyStreamer.dropped` says so.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class CallOut:
 @dataclass
 class ReplyStreamer:
     format: ToolCallFormat | None  # None: no tools, every character is content
+    max_calls: int | None = None  # None: any number
+    dropped: bool = False  # a call past max_calls was left out
     text: str = ""
     content: str = ""  # content sent so far
     calls: list[CallOut] = field(default_factory=list)
@@ -77,6 +81,9 @@ class ReplyStreamer:
         """Calls start in order: while streaming, a call whose name is not known yet holds back the rest;
         at the end, a call that never started and is not valid is dropped."""
         out = self._content(content)
+        if self.max_calls is not None and len(calls) > self.max_calls:
+            self.dropped = True
+            calls = calls[:self.max_calls]
         for i, c in enumerate(calls):
             if i >= len(self.calls):
                 name = c.name if not final else (c.call.name if c.call is not None else None)

@@ -96,3 +96,16 @@ def test_no_tools_means_plain_text() -> None:
 def test_format_follows_the_chat_template() -> None:
     assert format_for_template("{{ '<|python_tag|>' }}").name == "llama3_json"
     assert format_for_template("<tool_call>").name == "hermes"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=20))
+def test_one_call_at_most_leaves_the_rest_out_however_split(cuts: list[int]) -> None:
+    """``parallel_tool_calls: false``: the first call only, streamed or whole, and the streamer says it dropped."""
+    reply = HERMES_REPLIES[1]  # two calls, a then b
+    s = ReplyStreamer(HermesFormat(), max_calls=1)
+    _, calls, _ = run(s, split(reply, cuts))
+    assert [(n, json.loads(a)) for _, n, a in calls] == [("a", {})] and s.dropped and len(s.calls) == 1
+    single = ReplyStreamer(HermesFormat(), max_calls=1)
+    run(single, [HERMES_REPLIES[0]])
+    assert not single.dropped and len(single.calls) == 1
