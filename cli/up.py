@@ -50,6 +50,9 @@ def _executor_args(engine: dict[str, Any], partition: str | None) -> list[str]:
         args += ["--cuda-graphs", str(engine["cuda_graphs"])]
     if engine.get("kv_cache_memory_gb"):
         args += ["--kv-cache-bytes", str(int(float(engine["kv_cache_memory_gb"]) * 2**30))]
+    args += ["--memory-utilization", str(engine["gpu_memory_utilization"]),  # how big the cache is when not given
+             "--cpu-kv-fraction", str(engine["kv_cache_fraction"]),
+             "--cpu-kv-cap-bytes", str(int(float(engine["kv_cache_max_gb_cpu"]) * 2**30))]
     if partition:
         args += ["--partition", partition]
     return args
@@ -67,8 +70,10 @@ def _resolve_model(name: str, cache_dir: str) -> str:
 @click.option("--endpoint", default=None, help="ipc://PATH or tcp://127.0.0.1:PORT (default: an ipc socket).")
 @click.option("--allow-remote", is_flag=True, help="Allow binding a non-loopback TCP address.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="A TOML file.")
-@click.option("--tpot-slo-ms", type=float, default=None, help="TPOT target the controller steers by.")
-@click.option("--ttft-slo-ms", type=float, default=None, help="TTFT objective (reported).")
+@click.option("--tpot-slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="TPOT target the controller steers by.")
+@click.option("--ttft-slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="TTFT objective (reported).")
 @engine_flags
 @click.option("--num-blocks", type=click.IntRange(min=1), default=None,
               help="KV cache size in blocks (default: from memory).")
@@ -110,7 +115,8 @@ def _configs(opts: dict[str, Any]) -> tuple[dict[str, Any], Any, ServingLimits]:
     sched_overrides: dict[str, Any] = {}
     if opts["policy"]:
         sched_overrides["scheduler"] = {"policy": opts["policy"]}
-    slo = {k: opts[f] for k, f in (("tpot_target_ms", "tpot_slo_ms"), ("ttft_target_ms", "ttft_slo_ms")) if opts[f]}
+    slo = {k: opts[f] for k, f in (("tpot_target_ms", "tpot_slo_ms"), ("ttft_target_ms", "ttft_slo_ms"))
+           if opts[f] is not None}
     if slo:
         sched_overrides["slo"] = slo
     return engine, load_config(opts["config_file"], sched_overrides), load_limits(opts["config_file"])
@@ -145,6 +151,7 @@ def _up(opts: dict[str, Any]) -> int:
         t0 = time.monotonic()
         with _Status() as status:
             ready = link.start(progress=lambda s: status.update(f"loading the model … {s:.0f} s"))
+        _warn_if_clamped(engine.get("max_model_len"), ready.max_model_len)
         ingress.info = Welcome(
             0, 0, server="agentserve", model=model_dir, max_model_len=ready.max_model_len, run=run, pid=os.getpid(),
             eos_token_ids=list(ready.eos_token_ids),
@@ -191,6 +198,13 @@ def _up(opts: dict[str, Any]) -> int:
         if trace is not None:
             trace.close()
         ingress.close()
+
+
+def _warn_if_clamped(asked: Any, serving: int) -> None:
+    """The executor caps max_model_len at the model's context without a word: say so, with both numbers."""
+    if asked and int(asked) > serving:
+        log.warning("max_model_len %d is more than the model's context of %d tokens: serving %d-token contexts",
+                    int(asked), serving, serving)
 
 
 def _gateway_args(opts: dict[str, Any], model: str) -> list[str]:

@@ -84,6 +84,8 @@ RUNNER_OPTIONS: tuple[tuple[str, type], ...] = (
     ("prefill_attention", str),
     ("memory_utilization", float),
     ("profile_tokens", int),
+    ("cpu_kv_fraction", float),
+    ("cpu_kv_cap_bytes", int),
 )
 
 

@@ -40,7 +40,8 @@ DTYPES = {
     "fp32": torch.float32,
     "float": torch.float32,
 }
-CPU_KV_CAP_BYTES = 2 << 30
+CPU_KV_FRACTION = 0.5  # share of the available RAM the KV cache takes on a CPU by default ...
+CPU_KV_CAP_BYTES = 2 << 30  # ... at most (engine.toml kv_cache_fraction, kv_cache_max_gb_cpu)
 DEFAULT_MAX_SEQS = 64  # the default KV budget never exceeds this many full-length sequences
 MEMORY_UTILIZATION = 0.90  # share of a GPU's memory the executor may hold (weights, activations, KV cache)
 PROFILE_TOKENS = 8192  # the prefill chunk the CUDA memory profile runs (capped by the context length)
@@ -153,6 +154,8 @@ class ModelRunner(RunnerGraphs):
         prefill_attention: str = "auto",
         memory_utilization: float = MEMORY_UTILIZATION,
         profile_tokens: int = PROFILE_TOKENS,
+        cpu_kv_fraction: float = CPU_KV_FRACTION,
+        cpu_kv_cap_bytes: int = CPU_KV_CAP_BYTES,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.config = config = load_config(model_dir)
@@ -161,8 +164,12 @@ class ModelRunner(RunnerGraphs):
         check_weights(weights, self.device, self.dtype)
         self._init_graphs(cuda_graphs)
         self.block_size = block_size
+        for name, share in (("memory_utilization", memory_utilization), ("kv_cache_fraction", cpu_kv_fraction)):
+            if not 0 < share <= 1:
+                raise EngineError(f"{name} must be in (0, 1], not {share}")
         self.memory_utilization = memory_utilization
         self.profile_tokens = profile_tokens
+        self.cpu_kv_fraction, self.cpu_kv_cap_bytes = cpu_kv_fraction, cpu_kv_cap_bytes
         self.max_model_len = min(
             max_model_len or config.max_position_embeddings, config.max_position_embeddings
         )
@@ -235,7 +242,7 @@ class ModelRunner(RunnerGraphs):
         if budget is None and self.device.type == "cuda":
             return self.profiled_num_blocks(CudaMemory(self.device), self.memory_utilization)
         if budget is None:
-            budget = min(_available_ram() // 2, CPU_KV_CAP_BYTES)
+            budget = min(int(_available_ram() * self.cpu_kv_fraction), self.cpu_kv_cap_bytes)
             return max(1, min(budget // per_block, self._full_blocks))
         if budget < per_block:
             raise EngineError(f"KV cache budget {budget} bytes is smaller than one block ({per_block} bytes)")

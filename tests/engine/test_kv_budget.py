@@ -116,3 +116,17 @@ def test_cpu_sizing_is_unchanged() -> None:
     full = DEFAULT_MAX_SEQS * -(-r.max_model_len // r.block_size)
     assert r.num_blocks == full or r.num_blocks * r.bytes_per_block <= 2 << 30
     assert isinstance(r.kv_cache.k[0], torch.Tensor)
+
+
+def test_the_cpu_cache_takes_its_share_of_the_ram_up_to_its_cap(monkeypatch) -> None:
+    from agentserve.executor import runner as runner_module
+    from agentserve.executor.errors import EngineError
+
+    monkeypatch.setattr(runner_module, "_available_ram", lambda: 64 * 2**20)
+    model = resolve_model("tiny")
+    share = ModelRunner(model, dtype="float32", cpu_kv_fraction=0.25)
+    assert share.num_blocks == min(16 * 2**20 // share._per_block, share._full_blocks)
+    capped = ModelRunner(model, dtype="float32", cpu_kv_cap_bytes=5 * share._per_block)
+    assert capped.num_blocks == 5
+    with pytest.raises(EngineError, match="kv_cache_fraction"):
+        ModelRunner(model, dtype="float32", cpu_kv_fraction=1.5)

@@ -19,7 +19,18 @@ def test_engine_settings_reach_the_model_runner() -> None:
     assert opts.runner == {"dtype": "float32", "weights": "dense", "kv_cache_dtype": "auto",
                            "attention_backend": "auto", "decode_step": "auto", "prefill_attention": "auto",
                            "device": "auto", "block_size": 16,
-                           "num_blocks": 12, "max_model_len": 256}
+                           "num_blocks": 12, "max_model_len": 256, "memory_utilization": 0.9,
+                           "cpu_kv_fraction": 0.5, "cpu_kv_cap_bytes": 2 * 2**30}
+
+
+def test_the_kv_cache_size_settings_reach_the_runner() -> None:
+    """engine.toml's gpu_memory_utilization, kv_cache_fraction and kv_cache_max_gb_cpu (read by nothing before)."""
+    environ = {"AGENTSERVE_ENGINE_KV_CACHE_MAX_GB_CPU": "0.25", "AGENTSERVE_ENGINE_KV_CACHE_FRACTION": "0.125",
+               "AGENTSERVE_ENGINE_GPU_MEMORY_UTILIZATION": "0.5"}
+    engine = configs.load("engine", None, {}, environ=environ)["engine"]
+    opts, _ = parse(["--run", "r", "--model", "/m", *_executor_args(engine, None)])
+    assert (opts.runner["cpu_kv_cap_bytes"], opts.runner["cpu_kv_fraction"], opts.runner["memory_utilization"]) == (
+        2**28, 0.125, 0.5)
 
 
 def test_unset_engine_settings_keep_the_runner_defaults() -> None:
