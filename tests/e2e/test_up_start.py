@@ -34,6 +34,8 @@ def _up(*flags: str) -> tuple[int, str]:
     (["--run", "a/b"], "run name must match"),
     (["--endpoint", "tcp://127.0.0.1:99999"], "0-65535"),
     (["--num-blocks", "64", "--kv-cache-gb", "1"], "not both"),
+    (["--tpot-slo-ms", "0"], "--tpot-slo-ms"),  # 0 was dropped without a word (-1 was refused)
+    (["--ttft-slo-ms", "0"], "--ttft-slo-ms"),
 ])
 def test_bad_flags_are_one_clear_error(flags, says) -> None:
     code, out = _up(*flags)
@@ -67,3 +69,29 @@ def test_signals_in_quick_succession_during_the_load_leave_nothing(tmp_path) -> 
     assert not sock.exists()
     assert not [n for n in os.listdir("/dev/shm") if run in n]
     assert subprocess.run(["pgrep", "-f", run], capture_output=True).returncode == 1, "a process was left"
+
+
+def test_a_max_model_len_over_the_models_context_is_served_with_a_warning_naming_both() -> None:
+    """It started and served the model's 4096 tokens without a word about the 100000 asked for."""
+    run = f"m{uuid.uuid4().hex[:6]}"
+    proc = subprocess.Popen(["agentserve", "up", "--model", "tiny", "--run", run, "--max-model-len", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(line.startswith("AgentServe ready") for line in lines):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    text = "".join(lines) + out
+    assert any(line.startswith("AgentServe ready") for line in lines), text
+    warning = next((line for line in lines if "level=WARNING" in line and "max_model_len" in line), "")
+    assert "100000" in warning and "4096" in warning, text
+    assert not [n for n in os.listdir("/dev/shm") if run in n]
