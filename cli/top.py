@@ -4,17 +4,20 @@ Sources: ``--run NAME`` attaches the shared-memory stats board of that run (read
 server nothing); ``--endpoint`` asks the server over its client socket (``GetStats``); with
 neither, the one live run on this machine is used.  ``--once --json`` prints one snapshot.  A server
 started with ``--http`` gets a line for its gateway (requests/s, open streams, from its ``/metrics``).
-Exit codes: 0 ok or Ctrl-C, 2 no server / the server went away.
+Not on a terminal (a pipe, a file) it prints one plain frame per interval, and stops quietly once the pipe
+is closed (``| head``).  Exit codes: 0 ok, Ctrl-C or a closed pipe, 2 no server / the server went away.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Protocol
 
 import click
+import zmq
 from rich.console import Console
 from rich.live import Live
 
@@ -30,6 +33,11 @@ from agentserve.protocol.stats import (
 )
 from agentserve.shm.board import StatsBoard, list_runs
 from agentserve.shm.errors import ShmError
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:  # rich's own exits 1; `top` ends as for every closed pipe (see `top`)
+        raise BrokenPipeError
 
 
 class TopError(RuntimeError):
@@ -50,6 +58,8 @@ class BoardSource:
             self._board = StatsBoard.attach(run, SNAPSHOT_VERSION, timeout=0.3)
         except (ShmError, FileNotFoundError) as e:
             raise TopError(f"no stats board for run {run!r}: {e}") from None
+        except ValueError as e:  # a name no run can have (shm.segment.check_run)
+            raise TopError(f"--run: {e}") from None
         self.run = run
 
     def read(self) -> Snapshot:
@@ -75,6 +85,8 @@ class EndpointSource:
             self._client = AgentClient(endpoint, timeout=timeout, name="agentserve-top")
         except AgentServeError as e:
             raise TopError(str(e)) from None
+        except (ValueError, zmq.ZMQError) as e:  # an endpoint zmq cannot connect to: bogus, http://…
+            raise TopError(f"--endpoint {endpoint!r}: {e} (give ipc://PATH or tcp://HOST:PORT)") from None
 
     def read(self) -> Snapshot:
         try:
@@ -121,9 +133,15 @@ def _print_once(source: Source, as_json: bool, console: Console) -> None:
 
 def _live(source: Source, interval: float, as_json: bool, console: Console) -> None:
     watch = GatewayWatch()
-    if as_json:  # one JSON object per line, for scripts
+    if as_json or not console.is_terminal:  # for scripts and pipes: one JSON line / one plain frame per interval
         while True:
-            click.echo(json.dumps(_json(*_read(source, watch))))
+            snap, gateway = _read(source, watch)
+            if as_json:
+                click.echo(json.dumps(_json(snap, gateway)))
+            else:  # Live would only draw at its stop on a console that is not a terminal
+                console.print(render(snap, console.width, gateway=gateway))
+                console.print()
+            sys.stdout.flush()  # a closed pipe shows here, at once
             time.sleep(interval)
     with Live(console=console, auto_refresh=False, screen=False, transient=False) as live:
         while True:
@@ -140,7 +158,7 @@ def _live(source: Source, interval: float, as_json: bool, console: Console) -> N
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of the dashboard.")
 def top(run: str | None, endpoint: str | None, interval: float, once: bool, as_json: bool) -> None:
     """Live view of a running server: partition rung, TPOT/TTFT vs SLO, queues, KV, and every agent."""
-    console = Console()
+    console = _Console()
     try:
         source = open_source(run, endpoint)
     except TopError as e:
@@ -156,5 +174,7 @@ def top(run: str | None, endpoint: str | None, interval: float, once: bool, as_j
         sys.exit(2)
     except KeyboardInterrupt:
         pass
+    except BrokenPipeError:  # `agentserve top | head`: the reader is done, and so are we
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at the exit's flush
     finally:
         source.close()

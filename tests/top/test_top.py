@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,56 @@ def test_no_server_is_exit_2_with_a_clear_message(tmp_path):
     assert res.exit_code == 2 and "no stats board" in res.output
     res = CliRunner().invoke(top, ["--endpoint", f"ipc://{tmp_path}/none.sock", "--once", "--json"])
     assert res.exit_code == 2 and "no AgentServe server" in res.output
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--run", "bad/name"], "run name must match"),  # a traceback from shm.segment.check_run
+    (["--endpoint", "bogus"], "--endpoint 'bogus'"),  # zmq tracebacks
+    (["--endpoint", "http://127.0.0.1:8000"], "ipc://PATH or tcp://HOST:PORT"),
+])
+def test_a_run_or_endpoint_that_cannot_be_is_one_line_and_exit_2(args, says):
+    res = subprocess.run(["agentserve", "top", *args, "--once"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and says in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
+
+
+def _top_into_a_pipe(run: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
+    return subprocess.Popen(["agentserve", "top", "--run", run, "--interval", "0.1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+
+
+def _read_until(proc: subprocess.Popen, frames: int, timeout: float) -> bytes:
+    """What top wrote until ``frames`` dashboards came or ``timeout`` passed (without blocking on a silent top)."""
+    out, deadline = b"", time.monotonic() + timeout
+    while out.count(b"AgentServe") < frames and time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.1)[0]:
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
+def test_live_top_into_a_pipe_prints_a_plain_frame_per_interval(board):
+    """Not a terminal: rich's Live drew nothing until it stopped."""
+    proc = _top_into_a_pipe(board)
+    try:
+        out = _read_until(proc, 3, 30)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert out.count(b"AgentServe") >= 3, out
+    assert b"react-agent-6" in out and b"\x1b[" not in out  # every row, no cursor control or colour
+
+
+def test_live_top_stops_quietly_when_the_pipe_closes(board):
+    """`agentserve top | head` never noticed head was gone and ran on."""
+    proc = _top_into_a_pipe(board)
+    try:
+        assert b"AgentServe" in _read_until(proc, 1, 30)
+        proc.stdout.close()
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.stderr.read() == b""
