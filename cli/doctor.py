@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 from importlib import metadata
 from typing import Any
 
@@ -157,5 +158,10 @@ def doctor(as_json: bool, partition: str | None, device: str) -> None:
     """Show the partition backend chosen here and why, the device, its ladder, versions, and what is missing."""
     from agentserve.executor.partition.torch_cuda import device_index
 
-    info = report(partition, device=device_index(device))
+    try:
+        index = device_index(device)
+    except RuntimeError:  # torch's "Invalid device string" and the like
+        click.echo(f"agentserve doctor: --device must be cuda or cuda:N (N >= 0), got {device!r}", err=True)
+        sys.exit(2)
+    info = report(partition, device=index)
     click.echo(json.dumps(info, indent=2) if as_json else render(info))

@@ -42,6 +42,13 @@ def test_bad_flags_are_one_clear_error(flags, says) -> None:
     assert code == 2 and says in out and "Traceback" not in out, out
 
 
+@pytest.mark.parametrize("device", ["bogus", "cuda:-1"])
+def test_doctor_on_a_device_that_cannot_be_is_one_clear_error(device) -> None:
+    """The same rule for `agentserve doctor --device` (it printed torch's RuntimeError with a traceback)."""
+    res = subprocess.run(["agentserve", "doctor", "--device", device], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--device" in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
+
+
 def test_an_http_port_in_use_is_refused_before_the_model_loads() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
