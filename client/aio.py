@@ -23,7 +23,7 @@ import zmq.asyncio
 from agentserve.client.errors import AgentServeError, ProtocolViolation
 from agentserve.client.events import TurnCore, TurnEvent, TurnResult
 from agentserve.client.requests import MessageLike, TurnOptions, open_request
-from agentserve.client.transport import ClientBase, SessionBase
+from agentserve.client.transport import ClientBase, SessionBase, connect
 from agentserve.protocol.client_messages import (
     Abort,
     GetStats,
@@ -60,7 +60,7 @@ class AsyncAgentClient(ClientBase):
     async def connect(self) -> AsyncAgentClient:
         """Connect and handshake; raises :class:`ServerUnavailable` if no server answers."""
         try:
-            self._sock.connect(self.endpoint)
+            connect(self._sock, self.endpoint)
             self._tasks = [
                 asyncio.create_task(self._read_events()),
                 asyncio.create_task(self._read_monitor()),

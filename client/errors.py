@@ -79,6 +79,10 @@ class InternalError(AgentServeError):
     code = ErrorCode.INTERNAL
 
 
+class InvalidEndpoint(AgentServeError, ValueError):
+    """The endpoint is not one a client can connect to (``ipc:///absolute/path`` or ``tcp://HOST:PORT``)."""
+
+
 class ServerUnavailable(AgentServeError):
     """No server answered at the endpoint in time (not started, wrong endpoint, or stuck)."""
 

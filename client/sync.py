@@ -18,7 +18,7 @@ import zmq
 from agentserve.client.errors import AgentServeError
 from agentserve.client.events import TurnCore, TurnEvent, TurnResult
 from agentserve.client.requests import MessageLike, TurnOptions, open_request
-from agentserve.client.transport import ClientBase, SessionBase
+from agentserve.client.transport import ClientBase, SessionBase, connect
 from agentserve.protocol.client_messages import (
     Abort,
     GetStats,
@@ -52,7 +52,7 @@ class AgentClient(ClientBase):
         self._poller.register(self._mon, zmq.POLLIN)
         self._inbox: dict[int, deque[Any]] = {}
         try:
-            self._sock.connect(self.endpoint)
+            connect(self._sock, self.endpoint)
             self.server: Welcome = self._call(self._hello(name), Welcome)
         except BaseException:
             self.close()

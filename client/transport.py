@@ -16,7 +16,13 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from agentserve.client.errors import ProtocolViolation, ServerDisconnected, ServerUnavailable, from_event
+from agentserve.client.errors import (
+    InvalidEndpoint,
+    ProtocolViolation,
+    ServerDisconnected,
+    ServerUnavailable,
+    from_event,
+)
 from agentserve.client.requests import ReqCounter, SessionState
 from agentserve.protocol.client_messages import (
     PROTOCOL_VERSION,
@@ -28,13 +34,17 @@ from agentserve.protocol.client_messages import (
     ProtocolError,
     SessionOpened,
 )
-from agentserve.protocol.endpoints import default_endpoint
+from agentserve.protocol.endpoints import EndpointError, check_bind, default_endpoint
 
 MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 def make_socket(ctx: zmq.Context, endpoint: str | None, heartbeat_ms: int = 1000) -> tuple[zmq.Socket, str]:
     endpoint = endpoint or default_endpoint()
+    try:  # the server's rules, less the loopback one (a client may connect anywhere)
+        check_bind(endpoint, allow_remote=True)
+    except EndpointError as e:
+        raise InvalidEndpoint(str(e)) from None
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.LINGER, 0)
@@ -45,6 +55,14 @@ def make_socket(ctx: zmq.Context, endpoint: str | None, heartbeat_ms: int = 1000
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
     return sock, endpoint
+
+
+def connect(sock: zmq.Socket, endpoint: str) -> None:
+    """``sock.connect``, with what libzmq refuses (an IPv6 address while IPv6 is off, ...) a typed error."""
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        raise InvalidEndpoint(f"cannot connect to {endpoint!r}: {e}") from None
 
 
 ERROR_TAG = Error.__struct_config__.tag
@@ -111,6 +129,9 @@ class ClientBase:
     def __init__(
         self, ctx: zmq.Context, endpoint: str | None, timeout: float, event_timeout: float, heartbeat_ms: int
     ) -> None:
+        if not (timeout > 0 and event_timeout > 0 and heartbeat_ms > 0):
+            raise ValueError(f"timeouts must be > 0: timeout={timeout}, event_timeout={event_timeout}, "
+                             f"heartbeat_ms={heartbeat_ms}")
         self.timeout = timeout
         self.event_timeout = event_timeout
         self._ctx = ctx

@@ -241,3 +241,21 @@ def test_an_error_code_this_sdk_does_not_know_is_still_its_requests_error() -> N
         link.decode(msgspec.msgpack.encode(["error", "not a req", "some_future_code", "x"]))
     with pytest.raises(ProtocolViolation):
         link.decode(msgspec.msgpack.encode(["no_such_event", 7]))
+
+
+@pytest.mark.parametrize("endpoint", ["bogus", "http://127.0.0.1:8000", "ipc://relative/path", "tcp://host-without-port"])
+def test_an_endpoint_no_client_can_connect_to_is_a_typed_error(endpoint) -> None:
+    """Before: zmq's own ZMQError (or an 'Invalid argument' from libzmq), not an AgentServeError."""
+    import asyncio
+
+    from agentserve.client import AgentServeError, AsyncAgentClient, InvalidEndpoint
+
+    for make in (lambda: AgentClient(endpoint, timeout=0.2), lambda: asyncio.run(AsyncAgentClient(endpoint).connect())):
+        with pytest.raises(InvalidEndpoint) as e:
+            make()
+        assert isinstance(e.value, AgentServeError) and endpoint in str(e.value)
+
+
+def test_timeouts_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="timeouts must be > 0"):
+        AgentClient("ipc:///tmp/agentserve-unused.sock", timeout=-1)
