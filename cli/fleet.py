@@ -30,6 +30,7 @@ import click
 
 from agentserve import configs
 from agentserve.cli.fleet_members import Member, Router, Worker, make_worker, member_env, router_command
+from agentserve.cli.gateway_process import _check_free
 from agentserve.configs.logging import LOG_LEVELS, setup_logging
 from agentserve.protocol.endpoints import EndpointError, check_bind
 from agentserve.shm.segment import check_run
@@ -72,8 +73,35 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _port(configured: int, host: str, offset: int = 0) -> int:
-    return free_port(host) if configured == 0 else configured + offset
+PORT = click.IntRange(0, 65535)
+PORT_KEYS = {"router_port": "--port", "worker_base_port": "--worker-base-port", "metrics_port": "--metrics-port"}
+
+
+def plan_ports(cfg: dict[str, Any]) -> tuple[list[int], int, int]:
+    """(worker ports, router port, metrics port): each configured one checked free now, each 0 a free one.  A taken
+    port used to fail only as its member started: the router's after every worker had loaded its model."""
+    host, n = str(cfg["host"]), int(cfg["workers"])
+    for key, flag in PORT_KEYS.items():
+        if not 0 <= int(cfg[key]) <= 65535:
+            raise ValueError(f"{flag} (or [fleet] {key}) must be in 0..65535, got {cfg[key]}")
+    base = int(cfg["worker_base_port"])
+    if base and base + n - 1 > 65535:
+        raise ValueError(f"--worker-base-port {base} leaves no port for worker {65536 - base} of {n}")
+    named = [(f"--worker-base-port {base} + {i} (worker {i})", base + i) for i in range(n)] if base else []
+    named += [(f"{flag} {cfg[key]}", int(cfg[key]))
+              for key, flag in PORT_KEYS.items() if key != "worker_base_port" and int(cfg[key])]
+    seen: dict[int, str] = {}
+    for what, port in named:
+        if port in seen:
+            raise ValueError(f"{what} is the same port as {seen[port]}")
+        seen[port] = what
+        try:
+            _check_free(host, port)
+        except EndpointError as e:  # its message names --http: say which flag's port it is
+            raise EndpointError(f"{what}: {host}:{port}: {str(e).rsplit(': ', 1)[-1]}") from None
+    workers = [base + i if base else free_port(host) for i in range(n)]
+    router, metrics = (int(cfg[k]) or free_port(host) for k in ("router_port", "metrics_port"))
+    return workers, router, metrics
 
 
 @click.group("fleet")
@@ -86,9 +114,9 @@ def fleet() -> None:
 @click.option("--model", default=None, help="Checkpoint folder or built-in model every worker serves.")
 @click.option("--policy", type=click.Choice(POLICIES), default=None, help="The router's policy [cache_aware].")
 @click.option("--host", default=None, help="Where the router and the workers listen [127.0.0.1].")
-@click.option("--port", type=int, default=None, help="The router's port; 0 = any free port [30000].")
-@click.option("--worker-base-port", type=int, default=None, help="Worker i listens on this + i; 0 = free ports.")
-@click.option("--metrics-port", type=int, default=None, help="The router's Prometheus port; 0 = any free port.")
+@click.option("--port", type=PORT, default=None, help="The router's port; 0 = any free port [30000].")
+@click.option("--worker-base-port", type=PORT, default=None, help="Worker i listens on this + i; 0 = free ports.")
+@click.option("--metrics-port", type=PORT, default=None, help="The router's Prometheus port; 0 = any free port.")
 @click.option("--name", default=None, help="Run-name prefix of the workers [fleet].")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
               help="A TOML file with [fleet] and [router] sections.")
@@ -105,9 +133,11 @@ def up(**opts: Any) -> None:
         raise click.ClickException("the router is not installed: pip install 'agentserve[fleet]' (sglang-router)")
     try:
         settings = _settings(opts)
+        ports = plan_ports(settings["fleet"])  # before anything starts
     except (configs.ConfigError, EndpointError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
-    sys.exit(Fleet(settings, opts).run())
+        click.echo(f"agentserve fleet up: {e}", err=True)  # bad input: one line, exit 2, as `agentserve up`
+        sys.exit(2)
+    sys.exit(Fleet(settings, opts, ports).run())
 
 
 def _settings(opts: dict[str, Any]) -> dict[str, Any]:
@@ -120,16 +150,27 @@ def _settings(opts: dict[str, Any]) -> dict[str, Any]:
             fleet_cfg[key] = opts[flag]
     if opts["policy"]:
         router_cfg["policy"] = opts["policy"]
-    check_bind(f"tcp://{fleet_cfg['host']}:1", allow_remote=opts["allow_remote"])
+    try:
+        check_bind(f"tcp://{fleet_cfg['host']}:1", allow_remote=opts["allow_remote"])
+    except EndpointError:  # its message names an endpoint the user never typed
+        raise EndpointError(f"--host {fleet_cfg['host']!r} is not a loopback address and the workers have no "
+                            "authentication: pass --allow-remote to serve it anyway") from None
     if int(fleet_cfg["workers"]) < 1:
         raise ValueError("[fleet] workers must be >= 1")
-    check_run(f"{fleet_cfg['name']}-w{int(fleet_cfg['workers']) - 1}")  # the workers' run names
+    name = str(fleet_cfg["name"])
+    check_run(name)
+    last = f"{name}-w{int(fleet_cfg['workers']) - 1}"  # the longest of the workers' run names
+    try:
+        check_run(last)
+    except ValueError:
+        raise ValueError(f"fleet name {name!r} is too long for its workers' run names ({last!r})") from None
     return {"fleet": fleet_cfg, "router": router_cfg}
 
 
 class Fleet:
-    def __init__(self, settings: dict[str, Any], opts: dict[str, Any]) -> None:
+    def __init__(self, settings: dict[str, Any], opts: dict[str, Any], ports: tuple[list[int], int, int]) -> None:
         self.cfg, self.router_cfg = settings["fleet"], settings["router"]
+        self.worker_ports, self.router_port, self.metrics_port = ports
         self.opts = opts
         self.keep_logs = opts["log_dir"] is not None
         self.log_dir = Path(opts["log_dir"] or tempfile.mkdtemp(prefix=f"agentserve-{self.cfg['name']}-"))
@@ -158,14 +199,13 @@ class Fleet:
     def start(self) -> None:
         host, extra = self.cfg["host"], [*(["--allow-remote"] if self.opts["allow_remote"] else []),
                                          *self.opts["server_args"]]
-        for i in range(int(self.cfg["workers"])):
-            port = _port(int(self.cfg["worker_base_port"]), host, i)
+        for i, port in enumerate(self.worker_ports):
             worker = make_worker(i, self.cfg["name"], str(self.cfg["model"]), host, port, extra, self.log_dir)
             worker.clean_up(socket=False)  # what a killed fleet of the same name left
             worker.start(member_env())
             self.workers.append(worker)
         self._wait(self.workers, lambda w: w.healthy(), float(self.cfg["worker_start_timeout_s"]), "serving")
-        port, mport = _port(int(self.cfg["router_port"]), host), _port(int(self.cfg["metrics_port"]), host)
+        port, mport = self.router_port, self.metrics_port
         command = router_command([w.url for w in self.workers], host, port, mport, self.router_cfg,
                                  list(self.opts["router_args"]))
         bracketed = f"[{host}]" if ":" in host else host

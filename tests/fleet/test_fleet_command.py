@@ -4,7 +4,12 @@ the ready line, and the errors for a missing router or a non-loopback host."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
+import subprocess
 import sys
+import time
+import uuid
 
 import pytest
 from click.testing import CliRunner
@@ -39,8 +44,14 @@ def test_a_non_loopback_host_needs_allow_remote() -> None:
 
 @pytest.mark.parametrize("name", ["a/b", "a b", "x" * 70])
 def test_a_fleet_name_its_workers_cannot_run_under_is_refused_before_anything_starts(name) -> None:
-    with pytest.raises(ValueError, match="run name must match"):
+    with pytest.raises(ValueError, match="run name must match") as e:
         _settings({**NO_FLAGS, "name": name})
+    assert f"{name}-w" not in str(e.value)  # the name as given, not a worker's run name the user never typed
+
+
+def test_a_fleet_name_too_long_only_for_its_workers_says_so() -> None:
+    with pytest.raises(ValueError, match="too long for its workers' run names"):
+        _settings({**NO_FLAGS, "name": "x" * 63})
 
 
 def test_every_router_setting_becomes_a_flag() -> None:
@@ -90,3 +101,57 @@ def test_clean_up_removes_a_dead_workers_socket_but_not_a_live_one(tmp_path) -> 
     assert worker.clean_up() == [] and (tmp_path / "w0.sock").exists()  # a worker restarted by hand
     live.close()  # the file stays, nobody listens: what a SIGKILLed `up` leaves
     assert worker.clean_up() == [str(tmp_path / "w0.sock")] and not (tmp_path / "w0.sock").exists()
+
+
+# ---- bad input to `fleet up` is one line and exit 2, before any member starts ------------------------------------
+
+def _fleet_up(*flags: str) -> tuple[int, str, float]:
+    """``agentserve fleet up`` expected to stop at once: (exit code, stderr, seconds); one that starts is killed."""
+    name = f"fc{uuid.uuid4().hex[:6]}"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["agentserve", "fleet", "up", "--model", "tiny", "--name", name, *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # its members get SIGTERM with it (PDEATHSIG)
+        _, err = proc.communicate()
+    took = time.monotonic() - t0
+    deadline = time.monotonic() + 30
+    while subprocess.run(["pgrep", "-f", f"--run {name}-"], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "a worker was left running"
+        time.sleep(0.2)
+    assert not [n for n in os.listdir("/dev/shm") if name in n]
+    return proc.returncode, err, took
+
+
+def _one_clear_line(code: int, err: str, says: str) -> None:
+    assert code == 2 and says in err and "Traceback" not in err and len(err.strip().splitlines()) <= 4, err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--name", "bad/name"], "'bad/name'"),  # was exit 1 and named 'bad/name-w1'
+    (["--host", "0.0.0.0"], "--host '0.0.0.0'"),  # was exit 1, naming tcp://0.0.0.0:1
+    (["--port", "99999"], "--port"),  # was an OverflowError traceback from the router, after the workers loaded
+    (["--metrics-port", "-1"], "--metrics-port"),
+    (["--worker-base-port", "65535", "--workers", "2"], "--worker-base-port 65535"),
+    (["--port", "0", "--worker-base-port", "31000", "--metrics-port", "31001"], "same port"),
+])
+def test_bad_input_is_exit_2_before_anything_starts(flags, says) -> None:
+    code, err, _ = _fleet_up(*flags)
+    _one_clear_line(code, err, says)
+    if "--name" in flags:
+        assert "bad/name-w" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--worker-base-port"])
+def test_a_taken_port_is_refused_before_any_worker_loads(flag) -> None:
+    """A listener on the router's port: the fleet loaded every worker, then showed the router's traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"--port": "0", "--metrics-port": "0", "--worker-base-port": "0", flag: str(port)}
+        code, err, took = _fleet_up(*[x for kv in ports.items() for x in kv])
+    _one_clear_line(code, err, f"{flag} {port}")
+    assert "in use" in err and len(err.strip().splitlines()) == 1 and took < 30, (took, err)
