@@ -129,8 +129,8 @@ def test_no_server_is_exit_2_with_a_clear_message(tmp_path):
 
 @pytest.mark.parametrize("args, says", [
     (["--run", "bad/name"], "run name must match"),  # a traceback from shm.segment.check_run
-    (["--endpoint", "bogus"], "--endpoint 'bogus'"),  # zmq tracebacks
-    (["--endpoint", "http://127.0.0.1:8000"], "ipc://PATH or tcp://HOST:PORT"),
+    (["--endpoint", "bogus"], "ipc:// or tcp://"),  # zmq tracebacks
+    (["--endpoint", "http://127.0.0.1:8000"], "ipc:// or tcp://"),
 ])
 def test_a_run_or_endpoint_that_cannot_be_is_one_line_and_exit_2(args, says):
     res = subprocess.run(["agentserve", "top", *args, "--once"], capture_output=True, text=True, timeout=60)
