@@ -51,11 +51,12 @@ class ServingLimits:
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ConfigError(f"unknown limits sections: {sorted(unknown)}")
+        request_data = configs.check_fields(Limits, "request", data.get("request", {}))
+        clients = ClientRules(**configs.check_fields(ClientRules, "clients", data.get("clients", {})))
+        executor = HangRule(**configs.check_fields(HangRule, "executor", data.get("executor", {})))
         try:
-            request = Limits.from_dict(data.get("request", {}))
-            clients = ClientRules(**data.get("clients", {}))
-            executor = HangRule(**data.get("executor", {}))
-        except (TypeError, ValueError) as e:
+            request = Limits.from_dict(request_data)
+        except ValueError as e:
             raise ConfigError(f"limits: {e}") from None
         numbers = [*dataclasses.astuple(clients), *dataclasses.astuple(executor)]
         if not all(v > 0 for v in numbers):
@@ -69,6 +70,6 @@ def load_limits(
     """Packaged ``limits.toml``, then a user file's ``[request]``/``[clients]``/``[executor]``, then variables."""
     merged = configs.packaged("limits")
     if user_file is not None:
-        user = configs.read_file(user_file)
+        user = configs.read_user_file(user_file)
         merged = configs.merge(merged, {k: v for k, v in user.items() if k in merged})
     return ServingLimits.from_dict(configs.env_overrides(merged, environ))

@@ -118,17 +118,15 @@ class SchedulerConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SchedulerConfig:
-        """Build from a merged ``policy.toml`` + ``slo.toml`` dict; unknown keys are errors."""
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            section = data.get(f.name, {})
-            try:
-                kwargs[f.name] = f.default_factory(**section)  # type: ignore[misc]
-            except TypeError as e:
-                raise ConfigError(f"[{f.name}]: {e}") from None
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        """Build from a merged ``policy.toml`` + ``slo.toml`` dict; unknown keys and wrong types are errors."""
+        fields = dataclasses.fields(cls)
+        unknown = set(data) - {f.name for f in fields}
         if unknown:
             raise ConfigError(f"unknown scheduler config sections: {sorted(unknown)}")
+        kwargs = {}
+        for f in fields:
+            make = f.default_factory  # the section's dataclass
+            kwargs[f.name] = make(**configs.check_fields(make, f.name, data.get(f.name, {})))  # type: ignore[operator]
         config = cls(**kwargs)
         config.validate()
         return config
@@ -175,7 +173,7 @@ def load_config(
     """Packaged ``policy`` + ``slo`` files, then a user file, ``AGENTSERVE_*`` variables, overrides."""
     merged = configs.merge(configs.packaged("policy"), configs.packaged("slo"))
     if user_file is not None:
-        merged = configs.merge(merged, configs.read_file(user_file))
+        merged = configs.merge(merged, configs.read_user_file(user_file))
     merged = configs.env_overrides(merged, environ)
     if overrides:
         merged = configs.merge(merged, overrides)
