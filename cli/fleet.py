@@ -30,7 +30,7 @@ import click
 
 from agentserve import configs
 from agentserve.cli.fleet_members import Member, Router, Worker, make_worker, member_env, router_command
-from agentserve.cli.gateway_process import _check_free
+from agentserve.cli.gateway_process import check_free
 from agentserve.configs.logging import LOG_LEVELS, setup_logging
 from agentserve.protocol.endpoints import EndpointError, check_bind
 from agentserve.shm.segment import check_run
@@ -95,10 +95,7 @@ def plan_ports(cfg: dict[str, Any]) -> tuple[list[int], int, int]:
         if port in seen:
             raise ValueError(f"{what} is the same port as {seen[port]}")
         seen[port] = what
-        try:
-            _check_free(host, port)
-        except EndpointError as e:  # its message names --http: say which flag's port it is
-            raise EndpointError(f"{what}: {host}:{port}: {str(e).rsplit(': ', 1)[-1]}") from None
+        check_free(host, port, what)
     workers = [base + i if base else free_port(host) for i in range(n)]
     router, metrics = (int(cfg[k]) or free_port(host) for k in ("router_port", "metrics_port"))
     return workers, router, metrics

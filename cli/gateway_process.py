@@ -28,19 +28,20 @@ def parse_http(address: str, allow_remote: bool) -> tuple[str, int]:
         raise EndpointError(f"--http must be HOST:PORT, got {address!r}")
     check_bind(f"tcp://{host}:{port}", allow_remote=allow_remote)
     host = host.strip("[]")
-    _check_free(host, int(port))
+    check_free(host, int(port))
     return host, int(port)
 
 
-def _check_free(host: str, port: int) -> None:
-    """Fail now, before the model loads, if the port is taken (the gateway would fail to bind it on every restart)."""
+def check_free(host: str, port: int, flag: str = "--http") -> None:
+    """Fail now, before the model loads, if the port is taken (the gateway would fail to bind it on every restart);
+    the error names ``flag``, the option the port came from."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
         try:
             probe.bind((host, port))
         except OSError as e:
-            raise EndpointError(f"--http {host}:{port}: {e.strerror or e}") from None
+            raise EndpointError(f"{flag} {host}:{port}: {e.strerror or e}") from None
 
 
 class GatewayProcess:

@@ -207,12 +207,18 @@ class Executor:
             backend=self.backend.name,
             reason=self.backend.reason,
             ladder=list(self.backend.ladder),
-            device=f"{r.device} {self.backend.device} {dtype}, {r.weight_format} matrices, "
+            device=f"{self._where(r.device)} {dtype}, {r.weight_format} matrices, "
                    f"{str(r.kv_dtype).removeprefix('torch.')} KV"
                    + (", fused decode step" if r.fused_decode is not None else "")
                    + (f", {r.prefill_kernel.variant} prefill attention" if r.prefill_kernel is not None else ""),
             model=model,
         )
+
+    def _where(self, device: object) -> str:
+        """The backend's device description ("cpu (2 cores)", "cuda:0 NVIDIA ..."), led by the runner's device
+        where it does not already name it (the ready line said "cpu cpu (2 cores)")."""
+        where = self.backend.device
+        return where if where.split(" ", 1)[0] == str(device) else f"{device} {where}"
 
     def serve(self, model: str) -> str:
         """Run until Shutdown or a dead peer; return why it stopped."""

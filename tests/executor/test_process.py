@@ -63,6 +63,7 @@ def test_ready_then_generate_on_both_lanes_then_shutdown(executor) -> None:
     ready = pair.recv(timeout=120)
     assert isinstance(ready, Ready), ready
     assert ready.num_blocks == 64 and ready.backend and ready.ladder and ready.pid == proc.pid
+    assert ready.device.startswith("cpu (") and "cpu cpu" not in ready.device, ready.device  # the device named once
     prompt = [11, 12, 13, 14, 15]
     via_decode_lane = _generate(pair, 0, prompt, Lane.DECODE, 6)
     via_prefill_lane = _generate(pair, 1, prompt, Lane.PREFILL, 6)
