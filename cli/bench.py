@@ -186,8 +186,8 @@ def _check_errors(out: dict[str, Any], runs: sweep.SweepRuns) -> None:
 @click.option("--tool-latency-sigma", type=float, default=None, help="log-normal sigma")
 @click.option("--steps", type=int, default=None, help="LLM turns per agent task")
 @click.option("--seed", type=int, default=None)
-@click.option("--ttft-slo-ms", type=float, default=2000.0, show_default=True)
-@click.option("--tpot-slo-ms", type=float, default=100.0, show_default=True)
+@click.option("--ttft-slo-ms", type=click.FloatRange(min=0, min_open=True), default=2000.0, show_default=True)
+@click.option("--tpot-slo-ms", type=click.FloatRange(min=0, min_open=True), default=100.0, show_default=True)
 @click.option("--request-timeout", type=float, default=300.0, show_default=True, help="seconds per turn")
 @click.option("--server-arg", "server_args", multiple=True, help="extra argument for `agentserve up`")
 @click.option("--keep-logs", type=click.Path(file_okay=False), default=None,

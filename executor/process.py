@@ -35,7 +35,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentserve.executor.errors import EngineError
 from agentserve.executor.faults import DeviceFault, is_sticky_cuda_error
@@ -62,6 +62,9 @@ from agentserve.protocol.ring_messages import (
 )
 from agentserve.shm.channel import RingPair
 from agentserve.shm.errors import PeerDied, RingClosed
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("agentserve.executor")
 
@@ -96,6 +99,13 @@ class ExecutorOptions:
     role: str = "exec0"
     partition: str | None = None  # green-ctx | cuda-streams | cpu-cores | None = detect
     runner: dict[str, Any] = field(default_factory=dict)  # ModelRunner keyword arguments (RUNNER_OPTIONS)
+
+
+def device_description(where: str, device: torch.device) -> str:
+    """The partition backend's description of its device ("cpu (2 cores)", "cuda:0 NVIDIA ..."), led by the
+    runner's device where it does not already name it (the ready line said "cpu cpu (2 cores)")."""
+    named = where.split(" ", 1)[0].split(":", 1)[0]  # "cpu", "cuda" (of "cuda:0 NVIDIA ...")
+    return where if named == device.type else f"{device} {where}"
 
 
 class Executor:
@@ -207,18 +217,12 @@ class Executor:
             backend=self.backend.name,
             reason=self.backend.reason,
             ladder=list(self.backend.ladder),
-            device=f"{self._where(r.device)} {dtype}, {r.weight_format} matrices, "
+            device=f"{device_description(self.backend.device, r.device)} {dtype}, {r.weight_format} matrices, "
                    f"{str(r.kv_dtype).removeprefix('torch.')} KV"
                    + (", fused decode step" if r.fused_decode is not None else "")
                    + (f", {r.prefill_kernel.variant} prefill attention" if r.prefill_kernel is not None else ""),
             model=model,
         )
-
-    def _where(self, device: object) -> str:
-        """The backend's device description ("cpu (2 cores)", "cuda:0 NVIDIA ..."), led by the runner's device
-        where it does not already name it (the ready line said "cpu cpu (2 cores)")."""
-        where = self.backend.device
-        return where if where.split(" ", 1)[0] == str(device) else f"{device} {where}"
 
     def serve(self, model: str) -> str:
         """Run until Shutdown or a dead peer; return why it stopped."""

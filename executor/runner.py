@@ -164,9 +164,11 @@ class ModelRunner(RunnerGraphs):
         check_weights(weights, self.device, self.dtype)
         self._init_graphs(cuda_graphs)
         self.block_size = block_size
-        for name, share in (("memory_utilization", memory_utilization), ("kv_cache_fraction", cpu_kv_fraction)):
+        for name, share in (("gpu_memory_utilization", memory_utilization), ("kv_cache_fraction", cpu_kv_fraction)):
             if not 0 < share <= 1:
                 raise EngineError(f"{name} must be in (0, 1], not {share}")
+        if cpu_kv_cap_bytes <= 0:
+            raise EngineError(f"kv_cache_max_gb_cpu must be > 0, not {cpu_kv_cap_bytes / 2**30:g}")
         self.memory_utilization = memory_utilization
         self.profile_tokens = profile_tokens
         self.cpu_kv_fraction, self.cpu_kv_cap_bytes = cpu_kv_fraction, cpu_kv_cap_bytes

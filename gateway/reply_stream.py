@@ -81,15 +81,15 @@ class ReplyStreamer:
         """Calls start in order: while streaming, a call whose name is not known yet holds back the rest;
         at the end, a call that never started and is not valid is dropped."""
         out = self._content(content)
-        if self.max_calls is not None and len(calls) > self.max_calls:
-            self.dropped = True
-            calls = calls[:self.max_calls]
         for i, c in enumerate(calls):
             if i >= len(self.calls):
                 name = c.name if not final else (c.call.name if c.call is not None else None)
                 if name is None:
                     if final:
                         continue
+                    break
+                if self.max_calls is not None and len(self.calls) >= self.max_calls:
+                    self.dropped = True  # a call that would start past the limit: left out, and the rest
                     break
                 self.calls.append(CallOut(new_call_id(), name))
                 out.append(CallDelta(len(self.calls) - 1, "", self.calls[-1].id, name))

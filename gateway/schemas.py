@@ -61,7 +61,10 @@ class NamedToolChoice(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = False
+
+    def __post_init__(self) -> None:
+        self.include_usage = bool(self.include_usage)
 
 
 class JsonSchemaFormat(_Body):
@@ -130,7 +133,10 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
     add_special_tokens: bool | None = None  # unset: True for a prompt, False for messages (their template's), as vLLM
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = True
+
+    def __post_init__(self) -> None:
+        self.add_generation_prompt = self.add_generation_prompt is not False
 
 
 class DetokenizeRequest(_Body):

@@ -121,7 +121,7 @@ async def health_generate(request: Request) -> Response:
     prompt = tokenizer.encode("ping", add_special_tokens=True) or [0]
     try:
         async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
-            session = await client.session(name="http-health-generate", parse_tool_calls=False)
+            session = await backend.open_session(name="http-health-generate", parse_tool_calls=False)
             try:
                 async for _ in session.turn(token_ids=prompt, max_tokens=1, temperature=0.0):
                     pass

@@ -128,14 +128,14 @@ class ExecutorLink:
         self.pair.expect_peer(self.proc.pid)
         try:
             self.ready = self._await_ready(timeout, progress)
+            if self.ready.wire_version != WIRE_VERSION:
+                raise ExecutorStartError(f"executor speaks ring protocol {self.ready.wire_version}, not {WIRE_VERSION}")
         except BaseException:  # failed, cancelled or interrupted while loading: it would not read a Shutdown
             self.proc.kill()
             self.proc.wait()
             self.pair.close()  # a failed start leaves no rings behind, whatever follows it
             self.pair = None
             raise
-        if self.ready.wire_version != WIRE_VERSION:
-            raise ExecutorStartError(f"executor speaks ring protocol {self.ready.wire_version}, not {WIRE_VERSION}")
         return self.ready
 
     def _load_timeout(self, timeout: float | None) -> float:
@@ -229,9 +229,8 @@ class ExecutorLink:
         long is killed as hung (the loop must not block for good behind a stopped executor).
 
         Raises ``MessageTooLarge`` for a message no ring slot holds (the executor is fine)."""
-        assert self.pair is not None
-        if self._hung_reason is not None:
-            return  # killed as hung: its ExecutorDown is on the way
+        if self._hung_reason is not None or self.pair is None:
+            return  # killed as hung (its ExecutorDown is on the way), or a failed restart's (RestartFailed is)
         bound = self.watch.bound_s()
         try:
             self.pair.send(msg, timeout=bound)

@@ -41,3 +41,14 @@ def test_unset_engine_settings_keep_the_runner_defaults() -> None:
 def test_every_forwarded_option_is_a_model_runner_keyword() -> None:
     keywords = inspect.signature(ModelRunner.__init__).parameters
     assert [name for name, _ in RUNNER_OPTIONS if name not in keywords] == []
+
+
+def test_the_ready_line_names_the_device_once() -> None:
+    import torch
+
+    from agentserve.executor.process import device_description
+
+    assert device_description("cpu (2 cores)", torch.device("cpu")) == "cpu (2 cores)"
+    assert device_description("cuda:0 NVIDIA H200", torch.device("cuda")) == "cuda:0 NVIDIA H200"  # --device auto
+    assert device_description("cuda:1 NVIDIA H200", torch.device("cuda", 1)) == "cuda:1 NVIDIA H200"
+    assert device_description("cpu (2 cores)", torch.device("cuda")) == "cuda cpu (2 cores)"  # they differ: both

@@ -79,7 +79,12 @@ def test_explicit_nulls_and_neutral_values_are_the_defaults(http) -> None:
     r = http.post("/v1/chat/completions", json=OK | nulls | neutral)
     assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
     r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": None, "echo": None,
-                                           "best_of": 1, "suffix": None})
+                                           "best_of": 1, "suffix": None, "return_token_ids": None})
+    assert r.status_code == 200 and "token_ids" not in r.json()["choices"][0], r.text
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True,
+                                           "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and '"usage"' not in r.text, r.text
+    r = http.post("/tokenize", json={"messages": OK["messages"], "add_generation_prompt": None})
     assert r.status_code == 200, r.text
     _error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of": 3}), 400)
     _error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "suffix": "end"}), 400)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,3 +110,15 @@ def test_one_call_at_most_leaves_the_rest_out_however_split(cuts: list[int]) -> 
     single = ReplyStreamer(HermesFormat(), max_calls=1)
     run(single, [HERMES_REPLIES[0]])
     assert not single.dropped and len(single.calls) == 1
+
+
+@pytest.mark.parametrize(("reply", "name"), [
+    ('Let me see. <tool_call>\nnot json at all\n</tool_call>\n'
+     '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>', "b"),  # the broken block is no call
+    ('<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>{not json}</tool_call>', "a"),
+])
+def test_only_a_real_call_counts_against_the_limit(reply: str, name: str) -> None:
+    for pieces in ([reply], list(reply)):
+        s = ReplyStreamer(HermesFormat(), max_calls=1)
+        _, calls, _ = run(s, pieces)
+        assert [n for _, n, _ in calls] == [name] and not s.dropped, (pieces[:1], calls, s.dropped)
