@@ -94,7 +94,7 @@ def test_a_continued_conversation_refused_for_now_keeps_its_session() -> None:
     digests = [b"system", b"user 1", b"assistant 1", b"user 2"]
     backend = SimpleNamespace(conversations=ConversationMap(), close_later=closed.append, metrics=None)
     plan = SimpleNamespace(digests=lambda extra=None: digests, messages_after=lambda k: ["user 2"],
-                           choice_options=lambda index: {}, tool_format=None, logprobs=False)
+                           choice_options=lambda index: {}, tool_format=None, max_calls=None, logprobs=False)
     session = Refusing()
     backend.conversations.file(b"assistant 1", session)
     with pytest.raises(APIError) as refused:
