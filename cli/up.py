@@ -149,7 +149,7 @@ def _up(opts: dict[str, Any]) -> int:
         link = ExecutorLink(spec, limits.executor)
         _on_signals(_interrupt)  # until the loop runs: stop loading and clean up through `finally`
         t0 = time.monotonic()
-        with _Status() as status:
+        with _Status(as_log=opts["log_json"]) as status:
             ready = link.start(progress=lambda s: status.update(f"loading the model … {s:.0f} s"))
         _warn_if_clamped(engine.get("max_model_len"), ready.max_model_len)
         ingress.info = Welcome(
@@ -216,13 +216,18 @@ def _gateway_args(opts: dict[str, Any], model: str) -> list[str]:
 
 
 class _Status:
-    """A one-line spinner on stderr while the executor loads (plain lines when not a terminal)."""
+    """A one-line spinner on stderr while the executor loads (plain lines when not a terminal, log records every
+    10 s with ``as_log``: ``--log-json`` keeps stderr all JSON)."""
+
+    def __init__(self, as_log: bool = False) -> None:
+        self._as_log = as_log
 
     def __enter__(self) -> _Status:
         from rich.console import Console
 
         self._console = Console(stderr=True)
-        self._status = self._console.status("starting the executor …") if self._console.is_terminal else None
+        spin = self._console.is_terminal and not self._as_log
+        self._status = self._console.status("starting the executor …") if spin else None
         if self._status is not None:
             self._status.__enter__()
         self._last = -10.0
@@ -235,7 +240,10 @@ class _Status:
         elapsed = time.monotonic()
         if elapsed - self._last >= 10.0:
             self._last = elapsed
-            self._console.print(text)
+            if self._as_log:
+                log.info("%s", text)
+            else:
+                self._console.print(text)
 
     def __exit__(self, *exc: object) -> None:
         if self._status is not None:

@@ -78,11 +78,12 @@ def test_signals_in_quick_succession_during_the_load_leave_nothing(tmp_path) -> 
     assert subprocess.run(["pgrep", "-f", run], capture_output=True).returncode == 1, "a process was left"
 
 
-def test_a_max_model_len_over_the_models_context_is_served_with_a_warning_naming_both() -> None:
-    """It started and served the model's 4096 tokens without a word about the 100000 asked for."""
-    run = f"m{uuid.uuid4().hex[:6]}"
-    proc = subprocess.Popen(["agentserve", "up", "--model", "tiny", "--run", run, "--max-model-len", "100000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _ready_then_sigint(*flags: str) -> str:
+    """``agentserve up --model tiny`` until its ready line, then SIGINT (killed if it does not stop); its stderr.
+    It must have served and left no segment."""
+    run = f"r{uuid.uuid4().hex[:6]}"
+    proc = subprocess.Popen(["agentserve", "up", "--model", "tiny", "--run", run, *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120
@@ -92,13 +93,27 @@ def test_a_max_model_len_over_the_models_context_is_served_with_a_warning_naming
                 break
             lines.append(line)
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    text = "".join(lines) + out
-    assert any(line.startswith("AgentServe ready") for line in lines), text
-    warning = next((line for line in lines if "level=WARNING" in line and "max_model_len" in line), "")
-    assert "100000" in warning and "4096" in warning, text
+    assert any(line.startswith("AgentServe ready") for line in lines), (lines, err)
     assert not [n for n in os.listdir("/dev/shm") if run in n]
+    return err
+
+
+def test_with_log_json_every_line_on_stderr_is_json() -> None:
+    """The "loading the model … N s" progress was a plain line among the JSON records."""
+    import json
+
+    err = _ready_then_sigint("--log-json")
+    records = [json.loads(line) for line in err.splitlines() if line.strip()]  # raises on a plain line
+    assert any("loading the model" in r.get("msg", r.get("message", "")) for r in records), err
+
+
+def test_a_max_model_len_over_the_models_context_is_served_with_a_warning_naming_both() -> None:
+    """It started and served the model's 4096 tokens without a word about the 100000 asked for."""
+    err = _ready_then_sigint("--max-model-len", "100000")
+    warning = next((line for line in err.splitlines() if "level=WARNING" in line and "max_model_len" in line), "")
+    assert "100000" in warning and "4096" in warning, err
