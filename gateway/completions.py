@@ -33,10 +33,6 @@ from agentserve.protocol.client_messages import FinishReason
 class ExtraFields(CompletionRequest, kw_only=True):
     return_token_ids: bool | None = False
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.return_token_ids = bool(self.return_token_ids)
-
 
 def prompt_ids(req: CompletionRequest, backend: Backend) -> list[int]:
     """The prompt's token ids (the orchestrator checks them against the model's vocabulary)."""

@@ -9,6 +9,7 @@ naming the field (:func:`decode_body`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -17,7 +18,17 @@ from agentserve.gateway.errors import bad_request
 
 
 class _Body(msgspec.Struct, kw_only=True):
-    pass
+    def __post_init__(self) -> None:
+        """An explicit ``null`` for a field declared nullable with another default is that default."""
+        for name, default in _null_defaults(type(self)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+
+
+@functools.cache
+def _null_defaults(cls: type[msgspec.Struct]) -> tuple[tuple[str, Any], ...]:
+    """``cls``'s fields whose default is not None (only those declared ``X | None`` can decode as None)."""
+    return tuple((f.name, f.default) for f in msgspec.structs.fields(cls) if f.default not in (None, msgspec.NODEFAULT))
 
 
 class FunctionCall(_Body):
@@ -63,9 +74,6 @@ class NamedToolChoice(_Body):
 class StreamOptions(_Body):
     include_usage: bool | None = False
 
-    def __post_init__(self) -> None:
-        self.include_usage = bool(self.include_usage)
-
 
 class JsonSchemaFormat(_Body):
     name: str = "response"
@@ -100,11 +108,6 @@ class SamplingFields(_Body, kw_only=True):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
-    def __post_init__(self) -> None:
-        self.stream = bool(self.stream)
-        self.ignore_eos = bool(self.ignore_eos)
-        self.n = 1 if self.n is None else self.n
-
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
@@ -122,10 +125,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
     best_of: int | None = None  # not implemented: only 1 is accepted
     suffix: str | None = None  # not implemented: only an empty one is accepted
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.echo = bool(self.echo)
-
 
 class TokenizeRequest(_Body):
     model: str | None = None
@@ -134,9 +133,6 @@ class TokenizeRequest(_Body):
     tools: list[Tool] | None = None
     add_special_tokens: bool | None = None  # unset: True for a prompt, False for messages (their template's), as vLLM
     add_generation_prompt: bool | None = True
-
-    def __post_init__(self) -> None:
-        self.add_generation_prompt = self.add_generation_prompt is not False
 
 
 class DetokenizeRequest(_Body):
