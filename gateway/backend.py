@@ -26,6 +26,9 @@ from agentserve.protocol.stats import Snapshot, decode_snapshot
 log = logging.getLogger("agentserve.gateway")
 
 
+CLOSE_WAIT_S = 5.0  # how long an open at the session bound waits for closes under way
+
+
 @dataclass
 class GatewayOptions:
     endpoint: str
@@ -132,7 +135,9 @@ class Backend:
                            parse_tool_calls: bool = True) -> AsyncSession:
         """A new session (closed if the request is cancelled meanwhile).  Where the orchestrator refuses it
         because this connection holds its limit of sessions, the conversation filed longest ago is closed and the
-        open retried; with none filed (every session is a request in flight) the answer is ``busy``."""
+        open retried; with none filed (every session is a request in flight) the answer is ``busy``.  Closes
+        already under way in the background (evictions, abandoned streams) are awaited first: each frees a session
+        without giving up a filed conversation."""
         client, _, _ = self.require()
         while True:
             try:
@@ -141,6 +146,8 @@ class Backend:
             except LimitExceeded as e:
                 if SESSION_LIMIT not in e.message:
                     raise
+                if self._tasks and (await asyncio.wait(list(self._tasks), timeout=CLOSE_WAIT_S))[0]:
+                    continue
                 idle = self._pop_idlest()
                 if idle is None:
                     raise ServerBusy(f"{e.message}, every one a request in flight; retry shortly") from None

@@ -64,6 +64,33 @@ def test_a_refused_open_closes_the_conversation_filed_longest_ago_and_retries() 
     asyncio.run(scenario())
 
 
+def test_an_open_at_the_bound_waits_for_closes_under_way_before_closing_a_filed_conversation() -> None:
+    """An abandoned stream's session is being closed in the background when a new conversation arrives at the bound:
+    the open waits for that close instead of closing a filed conversation (before: the filed one was closed too, or
+    with none filed the answer was 503 busy while a session was about to be freed)."""
+
+    class _SlowClose(_Session):
+        async def close(self) -> None:
+            await asyncio.sleep(0.2)
+            await super().close()
+
+    async def scenario() -> None:
+        server = _Server(bound=2)
+        backend = _backend(server)
+        filed = await backend.open_session("sys")
+        backend.conversations.file(b"a" * 20, filed)
+        abandoned = await backend.open_session("sys")
+        backend.close_later(_SlowClose(abandoned.id, server))
+        fresh = await backend.open_session("sys")
+        assert server.open == {filed.id, fresh.id} and len(backend.conversations) == 1
+        backend.close_later(_SlowClose(fresh.id, server))  # with nothing filed but a close under way: not busy
+        backend.conversations.drain()
+        again = await backend.open_session("sys")
+        assert again.id in server.open
+
+    asyncio.run(scenario())
+
+
 def test_other_limits_are_not_taken_for_the_session_bound() -> None:
     class _Refusing(_Server):
         async def session(self, **_) -> _Session:
