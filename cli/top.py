@@ -2,7 +2,7 @@
 
 Sources: ``--run NAME`` attaches the shared-memory stats board of that run (read-only, costs the
 server nothing); ``--endpoint`` asks the server over its client socket (``GetStats``); with
-neither, the one live run on this machine is used.  ``--once --json`` prints one snapshot.  A server
+neither, the one live run on this machine is used (both: exit 2).  ``--once --json`` prints one snapshot.  A server
 started with ``--http`` gets a line for its gateway (requests/s, open streams, from its ``/metrics``).
 Not on a terminal (a pipe, a file) it prints one plain frame per interval, and stops quietly once the pipe
 is closed (``| head``).  Exit codes: 0 ok, Ctrl-C or a closed pipe, 2 no server / the server went away.
@@ -96,6 +96,8 @@ class EndpointSource:
 
 
 def open_source(run: str | None, endpoint: str | None) -> Source:
+    if run and endpoint:  # each names the server to watch: neither may silently win
+        raise TopError("give --run or --endpoint, not both")
     if endpoint:
         return EndpointSource(endpoint)
     if run:

@@ -131,6 +131,7 @@ def test_no_server_is_exit_2_with_a_clear_message(tmp_path):
     (["--run", "bad/name"], "run name must match"),  # a traceback from shm.segment.check_run
     (["--endpoint", "bogus"], "ipc:// or tcp://"),  # zmq tracebacks
     (["--endpoint", "http://127.0.0.1:8000"], "ipc:// or tcp://"),
+    (["--run", "r", "--endpoint", "ipc:///tmp/agentserve-r.sock"], "not both"),  # the endpoint won without a word
 ])
 def test_a_run_or_endpoint_that_cannot_be_is_one_line_and_exit_2(args, says):
     res = subprocess.run(["agentserve", "top", *args, "--once"], capture_output=True, text=True, timeout=60)
