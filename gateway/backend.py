@@ -116,8 +116,11 @@ class Backend:
 
     @property
     def vocab_size(self) -> int:
-        """The model's vocabulary (``config.json``'s, often padded past the tokenizer's): ids a prompt may hold."""
-        return self.tokenizer.model_vocab_size if self.tokenizer is not None else 0
+        """The model's vocabulary as the executor loaded it (often padded past the tokenizer's): ids a prompt may
+        hold; the tokenizer's size from a server that does not say."""
+        if self.welcome is not None and self.welcome.vocab_size > 0:
+            return self.welcome.vocab_size
+        return self.tokenizer.vocab_size if self.tokenizer is not None else 0
 
     def check_model(self, model: str | None) -> None:
         """``model`` may be omitted, the served name, or the checkpoint path; anything else is a 404."""

@@ -204,6 +204,7 @@ class Welcome(WireStruct, tag="welcome"):
     run: str = ""  # the run name: `agentserve top --run` attaches its stats board
     pid: int = 0
     eos_token_ids: list[int] = []  # the ids that end a turn (a raw turn's session keeps its output without one)
+    vocab_size: int = 0  # the model's vocabulary (its embedding rows, often padded past the tokenizer's)
 
 
 class SessionOpened(WireStruct, tag="opened"):

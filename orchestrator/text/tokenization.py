@@ -147,13 +147,6 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     @functools.cached_property
-    def model_vocab_size(self) -> int:
-        """The model's vocabulary (``config.json``'s ``vocab_size``, the rows the executor loads: often padded past
-        the tokenizer's); the tokenizer's own size where the folder does not say."""
-        size = _read_json(self.folder / "config.json").get("vocab_size") if self.folder else None
-        return size if isinstance(size, int) and size > 0 else self.vocab_size
-
-    @functools.cached_property
     def _byte_level(self) -> dict[str, int] | None:
         """The byte-level alphabet when the decoder maps pieces through it (GPT-2, Llama 3, Qwen), else None."""
         decoder = self._tok.decoder

@@ -3,10 +3,14 @@ model's vocabulary, as ``/v1/completions`` does."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from tokenizers import processors
 
+from agentserve.client import AgentClient
 from agentserve.executor.builtin import build_tokenizer
 from agentserve.executor.builtin_template import CHAT_TEMPLATE
+from agentserve.gateway.backend import Backend, GatewayOptions
 from agentserve.gateway.schemas import TokenizeRequest, decode_body
 from agentserve.gateway.tokenize_routes import _token_ids
 from agentserve.orchestrator.text.tokenization import Tokenizer
@@ -48,3 +52,16 @@ def test_detokenize_takes_the_models_padded_ids(http) -> None:
     for bad in (320, -1):
         r = http.post("/detokenize", json={"tokens": [104, bad]})
         assert r.status_code == 400 and "[0, 320)" in r.json()["error"]["message"], r.text
+
+
+def test_the_vocabulary_is_the_executors_as_welcome_says(http_server) -> None:
+    """The server's welcome carries the vocabulary the executor loaded (the tiny model's 320 rows, its tokenizer 261
+    entries); the gateway bounds ids by it, and by the tokenizer's size only for a server that does not say."""
+    with AgentClient(http_server.endpoint) as client:
+        assert client.server.vocab_size == 320
+    backend = Backend(GatewayOptions(endpoint="ipc:///unused"))
+    backend.tokenizer = SimpleNamespace(vocab_size=261)
+    backend.welcome = SimpleNamespace(vocab_size=320)
+    assert backend.vocab_size == 320
+    backend.welcome = SimpleNamespace(vocab_size=0)
+    assert backend.vocab_size == 261
