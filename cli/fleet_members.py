@@ -41,15 +41,34 @@ def agentserve_executable() -> str:
     return str(exe) if exe.is_file() else "agentserve"
 
 
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+def http_get(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """``(status, body)``; ``(0, b"")`` when nothing answers."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - http:// URLs we built
+        request = urllib.request.Request(url, headers=headers or {})
+        with urllib.request.urlopen(request, timeout=timeout) as r:  # noqa: S310 - http:// URLs we built
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
     except (OSError, ValueError):
         return 0, b""
+
+
+def http_json(url: str, headers: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """The JSON object ``url`` answers with status 200, else ``None``."""
+    status, body = http_get(url, headers=headers)
+    if status != 200:
+        return None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) else None
+
+
+def _worker_auth() -> dict[str, str]:
+    """The header a worker started with ``AGENTSERVE_API_KEY`` (inherited from here) wants on ``/server_info``."""
+    key = os.environ.get("AGENTSERVE_API_KEY", "")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 @dataclass
@@ -98,9 +117,17 @@ class Worker(Member):
     run: str = ""
     url: str = ""
     endpoint: str = ""
+    model: str = ""  # the name its gateway serves
 
     def healthy(self) -> bool:
-        return http_get(self.url + "/health")[0] == 200
+        """Serving, and this worker: ``/health`` is 200 and ``/server_info`` names an AgentServe server of this
+        worker's run serving its model.  Any program that took the port may answer 200 to ``/health``; the router
+        would then route to it."""
+        if http_get(self.url + "/health")[0] != 200:
+            return False
+        info = http_json(self.url + "/server_info", _worker_auth()) or {}
+        return (info.get("server"), info.get("run"), info.get("served_model_name")) == ("agentserve", self.run,
+                                                                                       self.model)
 
     def clean_up(self, socket: bool = True) -> list[str]:
         """Remove what an unclean exit left: the run's shared memory (only segments whose owner is dead)
@@ -135,7 +162,19 @@ def make_worker(index: int, name: str, model: str, host: str, port: int, extra: 
     bracketed = f"[{host}]" if ":" in host else host
     return Worker(name=f"worker {index}", command=worker_command(model, run, host, port, endpoint, extra),
                   log_path=log_dir / f"worker{index}.log", index=index, run=run,
-                  url=f"http://{bracketed}:{port}", endpoint=endpoint)
+                  url=f"http://{bracketed}:{port}", endpoint=endpoint, model=served_name(model, extra))
+
+
+def served_name(model: str, extra: list[str]) -> str:
+    """The model name a worker's gateway serves: the last ``--served-model-name`` among ``extra`` (as ``up`` reads
+    its flags), else ``model``."""
+    name = model
+    for i, arg in enumerate(extra):
+        if arg == "--served-model-name" and i + 1 < len(extra):
+            name = extra[i + 1]
+        elif arg.startswith("--served-model-name="):
+            name = arg.split("=", 1)[1]
+    return name
 
 
 def router_command(worker_urls: list[str], host: str, port: int, metrics_port: int, settings: dict[str, Any],
@@ -161,12 +200,11 @@ class Router(Member):
 
     def ready(self) -> bool:
         """Every worker registered and healthy (the router's ``/readiness``)."""
-        status, body = http_get(self.url + "/readiness")
-        if status != 200:
+        answer = http_json(self.url + "/readiness")
+        if answer is None:
             return False
-        with contextlib.suppress(ValueError):
-            self.last_answer = json.loads(body)
-        return self.last_answer.get("healthy_workers", 0) >= self.expected_workers
+        self.last_answer = answer
+        return answer.get("healthy_workers", 0) >= self.expected_workers
 
 
 def member_env() -> dict[str, str]:

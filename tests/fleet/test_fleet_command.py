@@ -3,11 +3,14 @@ the ready line, and the errors for a missing router or a non-loopback host."""
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
+import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -101,6 +104,58 @@ def test_clean_up_removes_a_dead_workers_socket_but_not_a_live_one(tmp_path) -> 
     assert worker.clean_up() == [] and (tmp_path / "w0.sock").exists()  # a worker restarted by hand
     live.close()  # the file stays, nobody listens: what a SIGKILLed `up` leaves
     assert worker.clean_up() == [str(tmp_path / "w0.sock")] and not (tmp_path / "w0.sock").exists()
+
+
+class _StandIn(http.server.BaseHTTPRequestHandler):
+    """Any program on a worker's port: 200 to every GET, with the body ``server.answers`` holds for its path."""
+
+    def do_GET(self) -> None:  # noqa: N802 - the handler's name
+        body = self.server.answers.get(self.path, b"ok")  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def stand_in():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StandIn)
+    server.answers = {}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _info(run: str, model: str, server: str = "agentserve") -> bytes:
+    return json.dumps({"server": server, "run": run, "served_model_name": model, "model_path": "/m"}).encode()
+
+
+@pytest.mark.parametrize("server_info, ours", [
+    (None, False),  # 200 "ok" to everything: it was taken for the worker, and the router would route to it
+    (b"{}", False),
+    (_info("f-w0", "tiny", server="sglang"), False),  # another server's /server_info
+    (_info("other", "tiny"), False),  # an AgentServe server of another run
+    (_info("f-w0", "bench"), False),  # ... serving another model
+    (_info("f-w0", "tiny"), True),
+])
+def test_a_worker_is_ready_only_when_the_answer_is_from_this_worker(stand_in, server_info, ours, tmp_path) -> None:
+    if server_info is not None:
+        stand_in.answers["/server_info"] = server_info
+    worker = make_worker(0, "f", "tiny", "127.0.0.1", stand_in.server_address[1], [], tmp_path)
+    assert worker.healthy() is ours
+
+
+def test_a_worker_serving_under_another_name_is_expected_under_it(stand_in, tmp_path) -> None:
+    stand_in.answers["/server_info"] = _info("f-w0", "served")
+    port = stand_in.server_address[1]
+    for extra in (["--served-model-name", "served"], ["--served-model-name=x", "--served-model-name=served"]):
+        assert make_worker(0, "f", "tiny", "127.0.0.1", port, extra, tmp_path).healthy(), extra
+    assert not make_worker(0, "f", "tiny", "127.0.0.1", port, [], tmp_path).healthy()
 
 
 # ---- bad input to `fleet up` is one line and exit 2, before any member starts ------------------------------------
