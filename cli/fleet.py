@@ -19,7 +19,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import Any
 import click
 
 from agentserve import configs
+from agentserve.cli.fleet_logs import make_log_dir, sweep_log_dirs
 from agentserve.cli.fleet_members import Member, Router, Worker, make_worker, member_env, router_command
 from agentserve.cli.gateway_process import check_free
 from agentserve.configs.logging import LOG_LEVELS, setup_logging
@@ -170,7 +170,8 @@ class Fleet:
         self.worker_ports, self.router_port, self.metrics_port = ports
         self.opts = opts
         self.keep_logs = opts["log_dir"] is not None
-        self.log_dir = Path(opts["log_dir"] or tempfile.mkdtemp(prefix=f"agentserve-{self.cfg['name']}-"))
+        sweep_log_dirs()  # what fleets killed before they could remove their own left
+        self.log_dir = Path(opts["log_dir"]) if opts["log_dir"] else make_log_dir(str(self.cfg["name"]))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.stop_requested = threading.Event()
         self.workers: list[Worker] = []

@@ -7,12 +7,15 @@ import http.server
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -160,23 +163,31 @@ def test_a_worker_serving_under_another_name_is_expected_under_it(stand_in, tmp_
 
 # ---- bad input to `fleet up` is one line and exit 2, before any member starts ------------------------------------
 
-def _fleet_up(*flags: str) -> tuple[int, str, float]:
+def _start(name: str, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(["agentserve", "fleet", "up", "--model", "tiny", "--name", name, *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _members_gone(name: str) -> None:
+    deadline = time.monotonic() + 30
+    while subprocess.run(["pgrep", "-f", f"--run {name}-"], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "a worker was left running"
+        time.sleep(0.2)
+    assert not [n for n in os.listdir("/dev/shm") if name in n]
+
+
+def _fleet_up(*flags: str, env: dict[str, str] | None = None) -> tuple[int, str, float]:
     """``agentserve fleet up`` expected to stop at once: (exit code, stderr, seconds); one that starts is killed."""
     name = f"fc{uuid.uuid4().hex[:6]}"
     t0 = time.monotonic()
-    proc = subprocess.Popen(["agentserve", "fleet", "up", "--model", "tiny", "--name", name, *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = _start(name, *flags, env=env)
     try:
         _, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         proc.kill()  # its members get SIGTERM with it (PDEATHSIG)
         _, err = proc.communicate()
     took = time.monotonic() - t0
-    deadline = time.monotonic() + 30
-    while subprocess.run(["pgrep", "-f", f"--run {name}-"], capture_output=True).returncode == 0:
-        assert time.monotonic() < deadline, "a worker was left running"
-        time.sleep(0.2)
-    assert not [n for n in os.listdir("/dev/shm") if name in n]
+    _members_gone(name)
     return proc.returncode, err, took
 
 
@@ -210,3 +221,29 @@ def test_a_taken_port_is_refused_before_any_worker_loads(flag) -> None:
         code, err, took = _fleet_up(*[x for kv in ports.items() for x in kv])
     _one_clear_line(code, err, f"{flag} {port}")
     assert "in use" in err and len(err.strip().splitlines()) == 1 and took < 30, (took, err)
+
+
+FREE_PORTS = ("--port", "0", "--worker-base-port", "0", "--metrics-port", "0")
+
+
+def test_a_later_fleet_up_removes_the_log_folder_of_a_killed_one() -> None:
+    """A SIGKILLed `fleet up` runs no clean-up: its temporary log folder stayed behind for good."""
+    tmp = Path(tempfile.mkdtemp(prefix="fl"))  # the fleets' temporary folder (TMPDIR), short for the ipc sockets
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    name = f"fk{uuid.uuid4().hex[:6]}"
+    try:
+        killed = _start(name, "--workers", "1", *FREE_PORTS, env=env)
+        deadline = time.monotonic() + 60
+        while not (left := list(tmp.glob(f"agentserve-{name}-*"))):
+            assert time.monotonic() < deadline and killed.poll() is None, "no log folder"
+            time.sleep(0.05)
+        killed.kill()
+        killed.communicate()
+        _members_gone(name)
+        assert left[0].is_dir()
+        code, err, _ = _fleet_up("--workers", "1", *FREE_PORTS, "--server-arg=--log-level", "--server-arg=bogus",
+                                 env=env)  # its worker exits at once: the fleet stops by itself
+        assert code == 2 and "worker 0 exited" in err, err
+        assert not [p.name for p in tmp.iterdir() if p.name.startswith("agentserve-")]  # nor its own folder
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
