@@ -3,7 +3,8 @@
 - ``hermes`` (Qwen2.5 / Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
 - ``llama3_json`` (Llama 3.1 / 3.2): a bare JSON object ``{"name": ..., "parameters": {...}}`` as the
   whole reply (after ``<|python_tag|>``, a special token that decoded text drops); several calls are
-  separated by ``;``.
+  separated by ``;``.  A reply whose first object is no call (known once it is whole), or that stops being
+  JSON before it is, is plain text; until then it is held back.
 
 :meth:`ToolCallFormat.scan` reads text as far as the model has written it, for streaming: the content
 before the first call (a tail that may still become a call is held back), and each call's name once
@@ -17,6 +18,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from agentserve.orchestrator.text.json_prefix import may_be_json
 from agentserve.orchestrator.text.tool_calls import CLOSE, OPEN, ToolCall, loads_model_json, parse_call_body
 
 # `{"name": "<string>", "arguments": ` at the start of a call's JSON (the order models are taught)
@@ -128,6 +130,18 @@ class Llama3JsonFormat(ToolCallFormat):
             if not final and (not body or self.PYTHON_TAG.startswith(text.lstrip())):
                 return Scan("", [])  # nothing yet, or what may still become the tag
             return Scan(text, [])
+        calls = self._calls(body, final)
+        if _HEAD_RE.match(body) is None and not self._may_be_call(body, calls[0]):
+            return Scan(text, [])  # no call after all: plain text, shown as soon as that is known
+        return Scan("", calls)
+
+    @staticmethod
+    def _may_be_call(body: str, first: CallText) -> bool:
+        """Whether the first object, not begun the usual way (a call's name first), is or may become a call."""
+        return first.call is not None if first.complete else may_be_json(body)
+
+    @staticmethod
+    def _calls(body: str, final: bool) -> list[CallText]:
         calls: list[CallText] = []
         decoder = json.JSONDecoder()
         pos = 0
@@ -141,7 +155,7 @@ class Llama3JsonFormat(ToolCallFormat):
             pos = end
             while pos < len(body) and body[pos] in " \t\r\n;":
                 pos += 1
-        return Scan("", calls)
+        return calls
 
 
 FORMATS: dict[str, type[ToolCallFormat]] = {"hermes": HermesFormat, "llama3_json": Llama3JsonFormat}

@@ -1,10 +1,14 @@
-"""The Qwen-style tool-call parser: valid calls, several calls, and malformed output that never raises."""
+"""The Qwen-style tool-call parser: valid calls, several calls, and malformed output that never raises; and the
+check of whether a reply may still become JSON."""
 
 from __future__ import annotations
+
+import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agentserve.orchestrator.text.json_prefix import may_be_json
 from agentserve.orchestrator.text.tool_calls import ToolCall, has_tool_call, parse_tool_calls
 
 
@@ -76,3 +80,30 @@ def test_what_a_model_may_write_never_raises_and_always_fits_the_wire():
                 msgspec.msgpack.encode(call.arguments)
     (call,) = HermesFormat().parse(texts[2])
     assert call.arguments["a"] == 1.2345678901234568e29 and call.arguments["b"] == float("-inf")
+
+
+JSON_PIECES = ['{', '}', '[', ']', ':', ',', ' ', '"', '"k"', '\\', 'u', '0', '1', '-', '.', 'e', '+', 'tr', 'ue',
+               'n', 'null', 'NaN', '-Inf', 'inity', 'x', '\n', '\x01']
+CLOSERS = ["", "}", "]}", '"}', "0}", ':1}', "1", '"', "]", "}}", '": 1}', "ue", "ll", "0]}", '"]}', "inity"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(JSON_PIECES), min_size=1, max_size=12).map("".join))
+def test_may_be_json_never_rules_out_what_json_reads(text: str) -> None:
+    """Text Python's json reads the start of once some more is written is never ruled out (a Llama-3 reply is
+    held back as a possible call exactly as long as this says it may be JSON)."""
+    for more in CLOSERS:
+        try:
+            json.JSONDecoder().raw_decode(text.lstrip(" \t\n\r") + more)
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        assert may_be_json(text), (text, more)
+
+
+def test_may_be_json_rules_out_text_at_the_first_character_json_refuses() -> None:
+    whole = '{"name": "f", "parameters": {"x": [1, -2.5e+3, true, null, NaN, -Infinity, "\\"\\u00e9"], "y": {}}}'
+    assert all(may_be_json(whole[:end]) for end in range(len(whole) + 1))
+    assert may_be_json("[" * 5000)  # no recursion
+    for text in ['{ h', '{"a" 1', '{"a": 01', '{"a": 1,}', '[1 2', '{"a":}', '{"a\x01', '{"a": "\\q', '{,', '[1.e',
+                 '{"a": tx', '{1', '[}', '{"a": 1]', '{"a": -I1']:
+        assert not may_be_json(text), text

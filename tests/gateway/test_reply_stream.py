@@ -25,6 +25,10 @@ LLAMA_REPLIES = [
     '{"name": "search", "parameters": {"q": "x"}}',
     '<|python_tag|>{"name": "a", "parameters": {"v": [1]}}; {"name": "b", "parameters": {}}',
     "Plain answer.",
+    '{"parameters": {"q": 1}, "name": "late"}',  # name after parameters: a call, known once the object closes
+    '{"answer": 42} and then more prose',  # a JSON object that is no call: plain text
+    '{"answer": 42}; {"name": "a", "parameters": {}}',  # no call first: the whole reply is plain text
+    "{ a brace, then prose",
 ]
 
 
@@ -60,7 +64,7 @@ def test_any_split_gives_the_same_reply(reply: str, cuts: list[int]) -> None:
 
 
 def test_calls_match_the_formats_parse() -> None:
-    for reply in HERMES_REPLIES[:3] + LLAMA_REPLIES[:2]:
+    for reply in HERMES_REPLIES[:3] + LLAMA_REPLIES[:2] + LLAMA_REPLIES[3:4]:
         fmt = Llama3JsonFormat() if reply in LLAMA_REPLIES else HermesFormat()
         _, calls, _ = run(ReplyStreamer(fmt), list(reply))
         parsed = fmt.parse(reply)
@@ -78,6 +82,27 @@ def test_arguments_stream_before_the_call_ends_and_content_holds_back_a_tag_pref
     assert s.feed("}\n</tool_call>") == [CallDelta(0, "}")]
     assert s.finish() == []
     assert s.content == "Hi" and s.content_or_none == "Hi"
+
+
+@pytest.mark.parametrize(("reply", "held"), [
+    ('{"answer": 42} and then more prose', len('{"answer": 42')),  # may still get a "name": held until it closes
+    ('{"q": [1, {"k": null}], "n": "}"}\nthe rest', len('{"q": [1, {"k": null}], "n": "}"')),
+    ("{ a brace, then prose", len("{ ")),  # shown at the first character that is no JSON
+    ('{"a" is a key', len('{"a" ')),
+    ('{"answer": 42}; {"name": "a", "parameters": {}}', len('{"answer": 42')),  # no call first: no call
+    ('<|python_tag|>{"name" "f"}', len('<|python_tag|>{"name" ')),
+])
+def test_llama_text_that_cannot_become_a_call_is_shown_as_soon_as_that_is_known(reply: str, held: int) -> None:
+    """Fed a character at a time, a reply that starts with ``{`` is held back only while it may still become
+    a call; from the character that rules a call out, everything written so far is content."""
+    s = ReplyStreamer(Llama3JsonFormat())
+    shown = ""
+    for end in range(1, len(reply) + 1):
+        deltas = s.feed(reply[end - 1])
+        assert all(isinstance(d, ContentDelta) for d in deltas)
+        shown += "".join(d.text for d in deltas)
+        assert shown == ("" if end <= held else reply[:end]), end
+    assert s.finish() == [] and not s.calls and s.content == reply
 
 
 def test_cut_call_and_invalid_blocks() -> None:
