@@ -148,7 +148,7 @@ class Llama3JsonFormat(ToolCallFormat):
         while pos < len(body) and body[pos] == "{":
             try:
                 _, end = decoder.raw_decode(body, pos)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # not yet whole, no JSON, or nested too deeply
                 calls.append(call_text(body[pos:], final))
                 break
             calls.append(call_text(body[pos:end], True))

@@ -70,6 +70,7 @@ def test_what_a_model_may_write_never_raises_and_always_fits_the_wire():
         '<tool_call>{"name": "add", "arguments": {"a": 123456789012345678901234567890, "b": -' + "9" * 5000 + '}}',
         '<tool_call>{"name": "f", "arguments": {"x": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>",
         '{"name": "get\\_weather", "parameters": {"n": 18446744073709551616}}',
+        '{"name": "f", "parameters": {"x": ' + "[" * 5000 + "]" * 5000 + "}}",  # a Llama-3 call nested too deeply
     ]
     for fmt in (HermesFormat(), Llama3JsonFormat()):
         for text in texts:
