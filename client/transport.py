@@ -34,15 +34,15 @@ from agentserve.protocol.client_messages import (
     ProtocolError,
     SessionOpened,
 )
-from agentserve.protocol.endpoints import EndpointError, check_bind, default_endpoint
+from agentserve.protocol.endpoints import EndpointError, check_endpoint, default_endpoint
 
 MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 def make_socket(ctx: zmq.Context, endpoint: str | None, heartbeat_ms: int = 1000) -> tuple[zmq.Socket, str]:
     endpoint = endpoint or default_endpoint()
-    try:  # the server's rules, less the loopback one (a client may connect anywhere)
-        check_bind(endpoint, allow_remote=True)
+    try:  # its form only: a client may connect anywhere, and waits for a socket (or its folder) to appear
+        check_endpoint(endpoint)
     except EndpointError as e:
         raise InvalidEndpoint(str(e)) from None
     sock = ctx.socket(zmq.DEALER)

@@ -41,13 +41,9 @@ def _is_loopback(host: str) -> bool:
         return False  # an interface name or a hostname: treat as exposed
 
 
-def check_bind(endpoint: str, *, allow_remote: bool = False) -> str:
-    """Validate an endpoint for binding; return it normalised.
-
-    ``ipc://PATH`` (absolute path) and ``tcp://<loopback>:PORT`` are always fine.  Any other TCP
-    host (``0.0.0.0``, a LAN address, ``*``) exposes an unauthenticated server and needs
-    ``allow_remote=True`` (``agentserve up --allow-remote``).
-    """
+def check_endpoint(endpoint: str) -> str:
+    """Validate an endpoint's form, what a client may connect to: ``ipc://PATH`` (absolute path) or
+    ``tcp://HOST:PORT``; return it."""
     if endpoint.startswith(IPC_PREFIX):
         path = ipc_path(endpoint)
         if path is None or not path.is_absolute():
@@ -59,10 +55,27 @@ def check_bind(endpoint: str, *, allow_remote: bool = False) -> str:
         host, sep, port = endpoint[len(TCP_PREFIX) :].rpartition(":")
         if not sep or not (port == "*" or port.isdigit() and int(port) < 65536) or not host:
             raise EndpointError(f"tcp endpoint must be tcp://HOST:PORT (PORT 0-65535 or *), got {endpoint!r}")
-        if not _is_loopback(host) and not allow_remote:
-            raise EndpointError(
-                f"refusing to bind {endpoint!r}: it is not a loopback address and the protocol has no "
-                "authentication; use ipc://PATH or tcp://127.0.0.1:PORT, or pass --allow-remote"
-            )
         return endpoint
     raise EndpointError(f"endpoint must start with ipc:// or tcp://, got {endpoint!r}")
+
+
+def check_bind(endpoint: str, *, allow_remote: bool = False) -> str:
+    """Validate an endpoint for binding; return it normalised.
+
+    ``ipc://PATH`` (absolute path, in a folder that exists: binding makes no folders) and
+    ``tcp://<loopback>:PORT`` are always fine.  Any other TCP host (``0.0.0.0``, a LAN address, ``*``)
+    exposes an unauthenticated server and needs ``allow_remote=True`` (``agentserve up --allow-remote``).
+    """
+    check_endpoint(endpoint)
+    path = ipc_path(endpoint)
+    if path is not None:
+        if not path.parent.is_dir():
+            raise EndpointError(f"cannot bind {endpoint}: the folder {path.parent} does not exist (create it first)")
+        return endpoint
+    host = endpoint[len(TCP_PREFIX) :].rpartition(":")[0]
+    if not _is_loopback(host) and not allow_remote:
+        raise EndpointError(
+            f"refusing to bind {endpoint!r}: it is not a loopback address and the protocol has no "
+            "authentication; use ipc://PATH or tcp://127.0.0.1:PORT, or pass --allow-remote"
+        )
+    return endpoint

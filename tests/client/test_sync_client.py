@@ -147,11 +147,13 @@ def test_stats_round_trip(server):
     assert [r.name for r in snap.sessions] == ["agent-7"]
 
 
-def test_no_server_is_a_clear_error_not_a_hang(tmp_path):
+@pytest.mark.parametrize("where", ["nobody.sock", "missing/folder/nobody.sock"])
+def test_no_server_is_a_clear_error_not_a_hang(tmp_path, where):
     t0 = time.monotonic()
     with pytest.raises(ServerUnavailable, match="no AgentServe server answered"):
-        AgentClient(f"ipc://{tmp_path}/nobody.sock", timeout=0.5)
+        AgentClient(f"ipc://{tmp_path}/{where}", timeout=0.5)
     assert time.monotonic() - t0 < 5
+    assert not (tmp_path / "missing").exists()  # connecting makes no folder
 
 
 def test_server_death_mid_stream_raises_server_disconnected(endpoint):

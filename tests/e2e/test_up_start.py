@@ -49,6 +49,13 @@ def test_doctor_on_a_device_that_cannot_be_is_one_clear_error(device) -> None:
     assert res.returncode == 2 and "--device" in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
 
 
+def test_an_ipc_endpoint_in_a_missing_folder_is_one_clear_error_and_no_folder_is_made(tmp_path) -> None:
+    """`up` made the folder and every missing parent without a word, and served there."""
+    code, out = _up("--endpoint", f"ipc://{tmp_path}/missing/dir/up.sock")
+    assert code == 2 and f"agentserve up: cannot bind ipc://{tmp_path}/missing/dir/up.sock: the folder" in out, out
+    assert "Traceback" not in out and not (tmp_path / "missing").exists()
+
+
 def test_an_http_port_in_use_is_refused_before_the_model_loads() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -26,7 +26,7 @@ from agentserve.protocol.client_messages import (
     Turn,
     Welcome,
 )
-from agentserve.protocol.endpoints import EndpointError, check_bind, default_endpoint
+from agentserve.protocol.endpoints import EndpointError, check_bind, check_endpoint, default_endpoint
 
 codec = ClientCodec()
 
@@ -213,6 +213,15 @@ def test_an_ipc_path_that_is_not_a_socket_is_left_alone(tmp_path):
     assert precious.read_text() == "data" and folder.is_dir()
     with pytest.raises(EndpointError, match="cannot bind"):  # its folder cannot be made: a clear error
         Ingress(f"ipc://{precious}/under/a/file.sock")
+
+
+def test_an_ipc_path_in_a_missing_folder_is_refused_and_no_folder_is_made(tmp_path):
+    """Binding made the folder and every missing parent without a word; a client may still connect there."""
+    endpoint = f"ipc://{tmp_path}/missing/dir/x.sock"
+    with pytest.raises(EndpointError, match=f"the folder {tmp_path}/missing/dir does not exist"):
+        Ingress(endpoint)
+    assert not (tmp_path / "missing").exists()
+    assert check_endpoint(endpoint) == endpoint
 
 
 def test_tcp_loopback_binds_with_a_wildcard_port():
