@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import signal
 import sys
 import time
 from typing import Any
@@ -19,6 +18,7 @@ import click
 from agentserve import configs
 from agentserve.cli.engine_options import engine_config, engine_flags
 from agentserve.cli.gateway_process import GatewayProcess, parse_http
+from agentserve.cli.up_signals import ForcedStop, ignore_signals, interrupt, on_signals
 from agentserve.configs.logging import LOG_LEVELS, setup_logging
 from agentserve.executor.errors import EngineError
 from agentserve.orchestrator.executor_link import ExecutorLink, ExecutorSpec, ExecutorStartError
@@ -31,7 +31,7 @@ from agentserve.orchestrator.stats_publisher import StatsPublisher
 from agentserve.orchestrator.step_trace import StepTrace
 from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.client_messages import Welcome
-from agentserve.protocol.endpoints import EndpointError, default_endpoint
+from agentserve.protocol.endpoints import EndpointError, default_endpoint, ipc_path
 from agentserve.shm.errors import ShmError
 from agentserve.shm.segment import check_run, cleanup_stale
 
@@ -137,6 +137,7 @@ def _up(opts: dict[str, Any]) -> int:
         rules=limits.clients,
     )
     publisher = link = trace = gateway = None
+    forced = ForcedStop(lambda: (m.proc for m in (link, gateway) if m is not None), ipc_path(ingress.endpoint))
     try:
         if opts["trace_steps"]:  # before the model loads: a bad path fails at once
             trace = StepTrace(opts["trace_steps"])
@@ -147,7 +148,7 @@ def _up(opts: dict[str, Any]) -> int:
             run, model_dir, _executor_args(engine, opts["partition"]), opts["log_level"], opts["log_json"]
         )
         link = ExecutorLink(spec, limits.executor)
-        _on_signals(_interrupt)  # until the loop runs: stop loading and clean up through `finally`
+        on_signals(interrupt, forced)  # until the loop runs: stop loading and clean up through `finally`
         t0 = time.monotonic()
         with _Status(as_log=opts["log_json"]) as status:
             ready = link.start(progress=lambda s: status.update(f"loading the model … {s:.0f} s"))
@@ -161,7 +162,7 @@ def _up(opts: dict[str, Any]) -> int:
             ServerOptions(policy, sched_config, restart=not opts["no_restart"], limits=limits), publisher,
             trace=trace,
         )
-        _on_signals(server.stop)
+        on_signals(server.stop, forced)
         if http is not None:
             gateway = GatewayProcess(ingress.endpoint, *http, _gateway_args(opts, str(engine["model"])),
                                      opts["log_level"], api_key=opts["api_key"] or "",
@@ -188,7 +189,7 @@ def _up(opts: dict[str, Any]) -> int:
         log.info("shut down cleanly")
         return 0
     finally:
-        _ignore_signals()  # one stop is enough: a second signal must not cut the clean-up short
+        forced.arm()  # one stop is enough: a signal during the clean-up forces it (SIGKILL, everything still removed)
         if gateway is not None:
             gateway.stop()
         if link is not None:
@@ -198,6 +199,7 @@ def _up(opts: dict[str, Any]) -> int:
         if trace is not None:
             trace.close()
         ingress.close()
+        ignore_signals()  # done: a signal from here to the exit changes nothing
 
 
 def _warn_if_clamped(asked: Any, serving: int) -> None:
@@ -248,23 +250,3 @@ class _Status:
     def __exit__(self, *exc: object) -> None:
         if self._status is not None:
             self._status.__exit__(*exc)
-
-
-def _interrupt() -> None:
-    raise KeyboardInterrupt
-
-
-def _ignore_signals() -> None:
-    """SIG_IGN, not a Python handler: Python puts its own handlers back to the default as it exits, so a late
-    signal would still kill the process with a signal's exit code after a clean stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def _on_signals(stop: Any) -> None:
-    def handler(signum: int, frame: object) -> None:
-        log.info("received %s; stopping", signal.Signals(signum).name)
-        stop()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)

@@ -1,5 +1,5 @@
 """``agentserve up`` before it serves: bad flags are one clear error before anything starts, and signals during
-the model load leave nothing behind however many arrive."""
+the model load leave nothing behind however many arrive; a second signal during a slow clean-up forces it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 import uuid
 
 import pytest
+
+from agentserve.shm.segment import pid_alive
 
 
 def _up(*flags: str) -> tuple[int, str]:
@@ -66,7 +68,8 @@ def test_an_http_port_in_use_is_refused_before_the_model_loads() -> None:
 
 
 def test_signals_in_quick_succession_during_the_load_leave_nothing(tmp_path) -> None:
-    """The second signal arrived while the first one's clean-up ran and cut it short: the socket file stayed."""
+    """The second signal arrived while the first one's clean-up ran and cut it short: the socket file stayed.
+    Now it forces the clean-up (exit 130) if that is still running, and leaves nothing either way."""
     run = f"s{uuid.uuid4().hex[:6]}"
     sock = tmp_path / "up.sock"
     proc = subprocess.Popen(["agentserve", "up", "--model", "tiny", "--run", run, "--endpoint", f"ipc://{sock}"],
@@ -79,10 +82,50 @@ def test_signals_in_quick_succession_during_the_load_leave_nothing(tmp_path) -> 
     proc.send_signal(signal.SIGINT)
     time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    assert proc.wait(timeout=60) in (0, 130), proc.stderr.read()
     assert not sock.exists()
     assert not [n for n in os.listdir("/dev/shm") if run in n]
     assert subprocess.run(["pgrep", "-f", run], capture_output=True).returncode == 1, "a process was left"
+
+
+def test_a_second_signal_during_a_slow_clean_up_forces_it_and_leaves_nothing(tmp_path) -> None:
+    """A stopped executor does not answer the Shutdown: the clean-up waited 10 s for it before killing it, and a
+    second Ctrl-C did nothing meanwhile.  Now it kills the executor and the gateway and still removes everything."""
+    run, sock = f"f{uuid.uuid4().hex[:6]}", tmp_path / "up.sock"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(["agentserve", "up", "--model", "tiny", "--run", run, "--endpoint", f"ipc://{sock}",
+                             "--http", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        assert proc.stdout.readline().startswith("AgentServe ready"), proc.stderr.read() if proc.poll() else ""
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split()]  # the executor and the gateway
+        assert len(children) == 2, children
+        os.kill(next(p for p in children if b"agentserve.executor" in _cmdline(p)), signal.SIGSTOP)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code, took = proc.wait(timeout=60), time.monotonic() - t0
+    finally:
+        if proc.poll() is None:  # it failed: leave no stopped executor behind
+            subprocess.run(["pkill", "-KILL", "-P", str(proc.pid)])
+            proc.kill()
+        err = proc.communicate()[1]
+    assert code == 130 and took < 5, (code, took, err)
+    assert len([line for line in err.splitlines() if "forcing" in line]) == 1, err
+    assert not sock.exists() and not [n for n in os.listdir("/dev/shm") if run in n]
+    deadline = time.monotonic() + 5
+    while any(pid_alive(p) for p in children):
+        assert time.monotonic() < deadline, "a child was left running"
+        time.sleep(0.05)
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
 
 
 def _ready_then_sigint(*flags: str) -> str:

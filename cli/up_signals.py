@@ -1,0 +1,75 @@
+"""How ``agentserve up`` answers SIGINT and SIGTERM.
+
+The first one stops it (while loading: the load is interrupted; while serving: the loop ends its turns and
+returns) and the clean-up runs: the gateway and the executor are asked to stop and given a grace (seconds, more
+for an executor that does not answer), then the shared memory and the socket are removed.  A second one during the
+clean-up forces it (so does the first, when the clean-up follows an error): SIGKILL to the executor and the
+gateway, the run's segments and ipc socket removed all the same, exit code 128 + the signal's number (130 for a
+second Ctrl-C).  Once the clean-up is done, signals are ignored until the exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from agentserve.shm.segment import run_cleanups
+
+log = logging.getLogger("agentserve.up")
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class ForcedStop:
+    """The handler of a signal during the clean-up: kill ``children()``, remove what the run made, exit."""
+
+    def __init__(self, children: Callable[[], Iterable[subprocess.Popen | None]], socket: Path | None) -> None:
+        self._children = children
+        self._socket = socket
+
+    def __call__(self, signum: int, frame: object) -> None:
+        log.warning("received %s during the clean-up; forcing it: killing the executor and the gateway",
+                    signal.Signals(signum).name)
+        for proc in self._children():
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        run_cleanups()  # every segment and semaphore of the run: this process made them all
+        if self._socket is not None:
+            self._socket.unlink(missing_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    def arm(self) -> None:
+        """From now on a signal forces the clean-up."""
+        for sig in SIGNALS:
+            signal.signal(sig, self)
+
+
+def on_signals(stop: Callable[[], None], forced: ForcedStop) -> None:
+    """The first signal calls ``stop`` (the clean-up follows); any later one is ``forced``."""
+
+    def handler(signum: int, frame: object) -> None:
+        log.info("received %s; stopping", signal.Signals(signum).name)
+        forced.arm()
+        stop()
+
+    for sig in SIGNALS:
+        signal.signal(sig, handler)
+
+
+def ignore_signals() -> None:
+    """SIG_IGN, not a Python handler: Python puts its own handlers back to the default as it exits, so a late
+    signal would still kill the process with a signal's exit code after a clean stop."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def interrupt() -> None:
+    """``stop`` while the model loads: unwind the start through its ``finally`` clauses."""
+    raise KeyboardInterrupt
