@@ -137,10 +137,9 @@ class Ingress:
         path = ipc_path(endpoint)
         try:
             if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
                 _refuse_live_ipc(str(path))
             sock.bind(endpoint)
-        except (zmq.ZMQError, EndpointError, OSError) as e:  # OSError: its folder cannot be made
+        except (zmq.ZMQError, EndpointError, OSError) as e:  # e.g. a missing folder (`up` says so first: check_bind)
             sock.close(linger=0)
             if self._own_ctx:
                 self._ctx.term()

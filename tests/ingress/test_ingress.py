@@ -211,7 +211,7 @@ def test_an_ipc_path_that_is_not_a_socket_is_left_alone(tmp_path):
         with pytest.raises(EndpointError, match="is not a socket"):
             Ingress(f"ipc://{path}")
     assert precious.read_text() == "data" and folder.is_dir()
-    with pytest.raises(EndpointError, match="cannot bind"):  # its folder cannot be made: a clear error
+    with pytest.raises(EndpointError, match="cannot bind"):  # its "folder" is a file: a clear error
         Ingress(f"ipc://{precious}/under/a/file.sock")
 
 
