@@ -2,7 +2,8 @@
 template).  A prompt that extends a finished completion's prompt and output continues its session
 (benchmarks and stateless agents resend the whole history), so only the new tokens are prefilled.
 ``return_token_ids`` (vLLM's extension) adds each chunk's token ids.  ``logprobs: k`` (0–20) adds the
-legacy logprobs object; its ``text_offset`` counts from the completion's start.
+legacy logprobs object; its ``text_offset`` counts from the completion's start, and a chunk lists the tokens
+that start in the text sent so far.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ async def completions(request: Request) -> Response:
 async def whole(run: CompletionRun, head: dict[str, Any], with_ids: bool) -> dict[str, Any]:
     async for _ in run.events():
         pass
-    logprobs = run.logprobs.legacy(0, run.logprobs.tokens) if run.logprobs is not None else None
+    logprobs = run.logprobs.take_legacy(len(run.text), final=True) if run.logprobs is not None else None
     choice = {"index": 0, "text": run.text, "logprobs": logprobs, "finish_reason": run.finish_reason}
     if with_ids:
         choice["token_ids"] = run.output
@@ -172,7 +173,7 @@ async def stream(run: CompletionRun, head: dict[str, Any], with_ids: bool, inclu
                  ) -> AsyncIterator[bytes]:
     def chunk(text: str, ids: list[int] | None, finish: str | None = None) -> bytes:
         with_logprobs = run.logprobs is not None and (text or finish)
-        logprobs = run.logprobs.legacy(*run.logprobs.take()) if with_logprobs else None
+        logprobs = run.logprobs.take_legacy(len(run.text), final=finish is not None) if with_logprobs else None
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if with_ids:
             choice["token_ids"] = ids or []

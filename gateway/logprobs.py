@@ -7,12 +7,14 @@ all of it for a whole answer.  A token's text is the checkpoint tokenizer's deco
 ``bytes`` are the token's own raw bytes, so a client joins split characters back together.  A legacy
 ``text_offset`` indexes the text the answer returns: the length of what the tokens before it decode to,
 as the orchestrator detokenizes the output (special tokens skipped, a partial character held back until it is
-whole).  A logprob of ``-inf`` (a token the grammar ruled out) is written as -9999.0, OpenAI's stand-in: JSON
-has no infinity.
+whole); a token that starts in text a stop string cut off is not listed (vLLM lists it, past the text's end).
+A logprob of ``-inf`` (a token the grammar ruled out) is written as -9999.0, OpenAI's stand-in: JSON has no
+infinity.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +104,17 @@ class LogprobLog:
         content = [self._entry(t, lp) | {"top_logprobs": [self._entry(a, alp) for a, alp in tops]}
                    for t, lp, tops in tokens]
         return {"content": content, "refusal": None}
+
+    def take_legacy(self, chars: int, final: bool) -> dict[str, Any]:
+        """The completions ``logprobs`` object of the tokens not sent yet whose text starts within the first
+        ``chars`` characters of the returned text, now counted as sent.  ``final``: the text is whole, ``chars``
+        long; then the tokens at its end (an eos) are listed too, unless a stop string cut the text short: the
+        tokens that start in the cut text are never listed, so every offset indexes the returned text."""
+        offsets = self._offsets_to(len(self.tokens))
+        uncut = final and self._chars <= chars
+        end = len(self.tokens) if uncut else bisect_left(offsets, chars, lo=self.sent)
+        start, self.sent = self.sent, end
+        return self.legacy(start, self.tokens[start:end])
 
     def legacy(self, start: int, tokens: list[tuple[int, float, Alternatives]]) -> dict[str, Any]:
         """The completions ``logprobs`` object for ``tokens``, the output's tokens from index ``start``."""

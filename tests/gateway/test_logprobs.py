@@ -88,6 +88,41 @@ def test_completion_logprobs_streamed_equal_whole(http) -> None:
         assert [v for p in parts for v in p[key]] == whole[key], key
 
 
+def completion(http, body: dict, stream: bool) -> tuple[str, dict[str, list]]:
+    """The text and the logprobs object of a completion, a stream's joined."""
+    if not stream:
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]
+        return choice["text"], choice["logprobs"]
+    with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        choices = [json.loads(line[6:])["choices"] for line in r.iter_lines() if line.startswith("data: {")]
+    parts = [c[0]["logprobs"] for c in choices if c and c[0]["logprobs"]]
+    return "".join(c[0]["text"] for c in choices if c), {k: [v for p in parts for v in p[k]] for k in parts[0]}
+
+
+def spanning_stop(text: str, offsets: list[int]) -> str:
+    """A stop string of two characters across two tokens (the last character of what one decodes to, the first of
+    the next), where it first occurs in ``text``, past its start."""
+    for k in range(2, len(offsets) - 1):
+        stop = text[offsets[k] - 1:offsets[k] + 1]
+        if offsets[k - 1] < offsets[k] < offsets[k + 1] and text.find(stop) == offsets[k] - 1:
+            return stop
+    pytest.skip(f"no stop string spans two tokens in {text!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_leave_out_the_tokens_a_stop_string_cut(http, stream: bool) -> None:
+    """A stop string across tokens: the tokens that start in the text it cut are not listed (they were, offsets
+    past the returned text's end), so every offset indexes the returned text; streamed as whole."""
+    body = {"prompt": PROMPT[:24], "max_tokens": 24, "temperature": 1.0, "seed": 0, "top_k": 40, "ignore_eos": True,
+            "logprobs": 2}
+    full, full_lp = completion(http, body, stream=False)
+    stop = spanning_stop(full, full_lp["text_offset"])
+    text, lp = completion(http, body | {"stop": [stop]}, stream)
+    assert text == full[:full.find(stop)]
+    kept = sum(o < len(text) for o in full_lp["text_offset"])
+    assert lp == {k: v[:kept] for k, v in full_lp.items()} and all(o < len(text) for o in lp["text_offset"])
+
+
 def assert_offsets_index(text: str, tokens: list[str], offsets: list[int]) -> None:
     """Each offset points into ``text`` where its token's text is (a part of a character reads U+FFFD alone)."""
     assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets), (text, offsets)
@@ -135,3 +170,32 @@ def test_token_bytes_of_byte_fallback_pieces() -> None:
     tokenizer = Tokenizer(hf, {}, {}, [])
     assert tokenizer.decode([3, 1, 2]) == " café" and tokenizer.decode([1]) == "\ufffd"
     assert [tokenizer.token_bytes(i) for i in (3, 1, 2, 99)] == [b" caf", b"\xc3", b"\xa9", b""]
+
+
+def test_a_token_a_stop_string_starts_inside_is_listed_and_those_after_it_are_not() -> None:
+    """Tokens "Hel" "lo" " wor" "ld" "!" and the stop string "orl", which starts inside " wor" and ends inside "ld":
+    the text is "Hello w"; " wor" is listed (at 5), "ld" and "!" are not.  Streamed: the text as the orchestrator
+    sends it (" wor" held back while it may start the stop string), a chunk per delta, then the last one."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    pieces = ["Hel", "lo", " wor", "ld", "!"]
+    hf = HFTokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="!"))
+    hf.decoder = decoders.Fuse()  # the pieces joined as they are
+    tokenizer = Tokenizer(hf, {}, {}, [])
+    deltas = ["Hel", "lo", " w", "", ""]  # per token: " wor" releases " w" and holds "or"; "ld" completes "orl"
+    whole = LogprobLog(tokenizer)
+    streamed = LogprobLog(tokenizer)
+    parts, text = [], ""
+    for token, delta in enumerate(deltas):
+        for log in (whole, streamed):
+            log.add(TokenIds([token], 0.0, 0.0, [-0.5 * token]))
+        text += delta
+        if delta:
+            parts.append(streamed.take_legacy(len(text), final=False))
+    parts.append(streamed.take_legacy(len(text), final=True))
+    expected = {"tokens": ["Hel", "lo", " wor"], "token_logprobs": [0.0, -0.5, -1.0], "top_logprobs": [{}, {}, {}],
+                "text_offset": [0, 3, 5]}
+    assert whole.take_legacy(len(text), final=True) == expected
+    assert {k: [v for p in parts for v in p[k]] for k in expected} == expected
+    assert [p["tokens"] for p in parts] == [["Hel"], ["lo"], [" wor"], []]
