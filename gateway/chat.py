@@ -24,7 +24,7 @@ from agentserve.gateway.backend import Backend
 from agentserve.gateway.body import read_body
 from agentserve.gateway.chat_plan import ChatPlan, plan_chat
 from agentserve.gateway.choice import ChoiceRun
-from agentserve.gateway.errors import APIError
+from agentserve.gateway.errors import APIError, client_closed
 from agentserve.gateway.reply_stream import ContentDelta, Delta
 from agentserve.gateway.schemas import ChatCompletionRequest, decode_body
 from agentserve.gateway.usage import usage_object
@@ -58,7 +58,7 @@ async def unless_disconnected(request: Request, answer: Any, runs: list[ChoiceRu
     work.cancel()
     for run in runs:
         run.abandon()
-    raise APIError(499, "the client closed the connection", type="client_closed_request")
+    raise client_closed()
 
 
 async def start_choices(runs: list[ChoiceRun]) -> None:

@@ -58,6 +58,11 @@ def too_large(limit: int) -> APIError:
     return APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
 
 
+def client_closed() -> APIError:
+    """The answer to a client that closed the connection first (nginx's 499): counted in the metrics, never read."""
+    return APIError(499, "the client closed the connection", type="client_closed_request")
+
+
 def unavailable(message: str) -> APIError:
     return APIError(503, message, type="server_error", code="unavailable")
 
