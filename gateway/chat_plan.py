@@ -46,9 +46,10 @@ class ChatPlan:
         return bool(self.options.get("logprobs"))
 
     def choice_options(self, index: int) -> dict[str, Any]:
-        """Choice ``index``'s options: with ``n > 1`` and a seed, each choice draws from seed + index."""
+        """Choice ``index``'s options: with ``n > 1`` and a seed, each choice draws from seed + index, wrapped into the
+        seeds' range [0, 2**63) (choice 0 keeps the seed as given, so one out of range is still refused)."""
         seed = self.options.get("seed")
-        return self.options | ({"seed": seed + index} if seed is not None and index else {})
+        return self.options | ({"seed": (seed + index) % (MAX_INT64 + 1)} if seed is not None and index else {})
 
 
 MAX_INT64 = 2**63 - 1

@@ -70,6 +70,17 @@ def test_streamed_choices_each_finish_once(openai_client) -> None:
     assert sorted(finishes) == [(0, "length"), (1, "length")]
 
 
+def test_n_choices_with_the_largest_seed_are_answered(http) -> None:
+    """Choice i draws from seed + i: with the largest seed a client may send, choice 1's was 2**63, so a valid request
+    got a 400 saying the seed must be in [0, 2**63), "got 9223372036854775808", a seed it never sent.  It wraps to 0;
+    a seed out of range is still refused (choice 0 keeps it as given)."""
+    body = {"messages": MESSAGES, "n": 2, "max_tokens": 2, "temperature": 1.0}
+    r = http.post("/v1/chat/completions", json=body | {"seed": 2**63 - 1})
+    assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1], r.text
+    r = http.post("/v1/chat/completions", json=body | {"seed": 2**63})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_sampling", r.text
+
+
 def test_langchain_chat_openai_invokes_and_streams(http_server) -> None:
     from langchain_openai import ChatOpenAI
 
