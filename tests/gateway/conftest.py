@@ -70,6 +70,21 @@ class HttpServer:
         with AgentClient(self.endpoint) as client:
             return decode_snapshot(client.stats())
 
+    def answered(self, path: str) -> dict[str, float]:
+        """``agentserve:http_requests_total`` for ``path``, by status."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics").text
+        return {s.labels["status"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "agentserve:http_requests_total" and s.labels.get("path") == path}
+
+    def answered_once(self, path: str, before: dict[str, float], timeout: float = 10.0) -> dict[str, float]:
+        """How the count of ``path``'s answers by status grew since ``before`` (:meth:`answered`), once it has."""
+        deadline = time.monotonic() + timeout
+        while (after := self.answered(path)) == before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return {status: n - before.get(status, 0) for status, n in after.items() if n != before.get(status, 0)}
+
     def logs(self) -> str:
         self.log.seek(0)
         return self.log.read()

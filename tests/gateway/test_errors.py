@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
-import httpx
 import openai
 import pytest
 
@@ -152,28 +150,15 @@ def test_every_server_error_code_has_its_http_answer() -> None:
         assert (f"{status // 100}xx" if expected == "4xx" else status) == expected, code
 
 
-def _requests_answered(url: str, path: str) -> dict[str, float]:
-    """``agentserve:http_requests_total`` for ``path``, by status."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url + "/metrics").text
-    return {s.labels["status"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == "agentserve:http_requests_total" and s.labels.get("path") == path}
-
-
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"])
 def test_a_client_gone_before_its_body_is_whole_is_a_499_without_a_traceback(http_server, path) -> None:
     """A client that closed the connection before sending the body its Content-Length promised made reading the body
     raise ClientDisconnect out of the handler: a 500 in the metrics and two tracebacks in the log (the gateway's and
     uvicorn's) for a request nobody was waiting on."""
-    before, logged = _requests_answered(http_server.url, path), len(http_server.logs())
+    before, logged = http_server.answered(path), len(http_server.logs())
     head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {http_server.api_key}\r\n"
             "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
     with socket.create_connection(("127.0.0.1", http_server.port)) as s:
         s.sendall(head.encode() + b'{"messages": [')
-    deadline = time.monotonic() + 10
-    while (after := _requests_answered(http_server.url, path)) == before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    grew = {status: n - before.get(status, 0) for status, n in after.items() if n != before.get(status, 0)}
-    assert grew == {"499": 1}, grew
+    assert http_server.answered_once(path, before) == {"499": 1}
     assert "Traceback" not in http_server.logs()[logged:]
