@@ -159,9 +159,10 @@ def sessions_table(snap: Snapshot, max_rows: int | None, wide: bool) -> Table:
             _ms(r.last_ttft_ms) if r.last_ttft_ms else "-",
             Text(_ms(r.last_tpot_ms), style=tpot_style) if r.last_tpot_ms else "-",
         )
-    if len(shown) < len(rows):
-        t.add_row("", Text(f"+{len(rows) - len(shown)} more", style="dim"), "", "", "", "", "", "")
-    if not rows:
+    hidden = max(snap.sessions_total, len(rows)) - len(shown)  # the board lists the busiest that fit in it
+    if hidden > 0:
+        t.add_row("", Text(f"+{hidden} more", style="dim"), "", "", "", "", "", "")
+    elif not rows:
         t.add_row("", Text("no sessions", style="dim"), "", "", "", "", "", "")
     return t
 

@@ -14,6 +14,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from msgspec.structs import replace
+
 from agentserve.orchestrator.running_turn import RunningTurn
 from agentserve.protocol.lanes import Lane, backend_unit
 from agentserve.protocol.ring_messages import Ready, Result
@@ -45,6 +47,27 @@ NAME_CHARS = 64  # a session's name as `top` shows it
 WINDOW_S = 10.0
 HISTORY = 60
 HISTORY_EVERY_S = 1.0
+
+
+# the order rows are kept in when the board cannot hold them all: sessions at work first, the newest first within each
+_BUSIEST = {state: rank for rank, state in enumerate(
+    (SessionState.DECODING, SessionState.PREFILLING, SessionState.QUEUED, SessionState.IN_TOOL, SessionState.IDLE))}
+
+
+def fit_sessions(snap: Snapshot, data: bytes, capacity: int) -> bytes:
+    """``data`` (``snap`` encoded) if it fits in ``capacity`` bytes, else ``snap`` listing only the busiest sessions
+    that fit (``sessions_total`` still counts them all); what fits nothing is returned as it is."""
+    if len(data) <= capacity:
+        return data
+    rows = sorted(snap.sessions, key=lambda r: (_BUSIEST[r.state], -r.id))
+    snap = replace(snap, sessions_total=max(snap.sessions_total, len(rows)))
+    base = len(encode_snapshot(replace(snap, sessions=[])))
+    keep = len(rows)
+    while len(data) > capacity and keep > 0:
+        per_row = (len(data) - base) / keep  # the rows' average size in the last try
+        keep = max(0, min(keep - 1, int((capacity - base) / per_row)))
+        data = encode_snapshot(replace(snap, sessions=rows[:keep]))
+    return data
 
 
 def _ms(summary: dict[str, Any], key: str) -> float:
@@ -84,36 +107,41 @@ class StatsPublisher:
 
     # ---- output -------------------------------------------------------------------------------
     def publish(self, server: OrchestratorServer, now: float) -> None:
-        data = self.encode(server, now)
+        """Put a snapshot on the board; with more sessions than its bytes hold, the busiest that fit are listed."""
+        snap = self.snapshot(server, now)
+        data = encode_snapshot(snap)
         try:
-            self.board.publish(data)
-        except MessageTooLarge as e:  # thousands of sessions: `top` keeps the last snapshot that fit
+            self.board.publish(fit_sessions(snap, data, self.board.capacity))
+        except MessageTooLarge as e:  # not even without sessions: `top` keeps the last snapshot that fit
             if not self._warned:
                 log.warning("stats snapshot not published: %s", e)
                 self._warned = True
 
     def encode(self, server: OrchestratorServer, now: float) -> bytes:
+        """The whole snapshot, every session listed (the ``GetStats`` reply)."""
+        return encode_snapshot(self.snapshot(server, now))
+
+    def snapshot(self, server: OrchestratorServer, now: float) -> Snapshot:
         self.seq += 1
         stats = server.sched.stats(now)
-        return encode_snapshot(
-            Snapshot(
-                version=SNAPSHOT_VERSION,
-                seq=self.seq,
-                t_wall=time.time(),
-                server=self._server(server),
-                partition=self._partition(server.link.ready, stats),
-                control=self._control(stats),
-                tpot=self._latency("tpot", stats.get("tpot_s") or {}, self.tpot_slo_ms, now),
-                ttft=self._latency("ttft", stats.get("ttft_s") or {}, self.ttft_slo_ms, now),
-                queues=self._queues(stats.get("queues") or {}),
-                kv=self._kv(stats, server.link.ready),
-                lanes=[self._lane(lane, now) for lane in Lane],
-                sessions=[self._row(rec) for rec in server.sessions.values()],
-                turns_done=self.turns_done,
-                tokens_out=self.tokens_out,
-                tokens_per_s=self._tokens_per_s(now),
-                restarting=server.restarting,
-            )
+        return Snapshot(
+            version=SNAPSHOT_VERSION,
+            seq=self.seq,
+            t_wall=time.time(),
+            server=self._server(server),
+            partition=self._partition(server.link.ready, stats),
+            control=self._control(stats),
+            tpot=self._latency("tpot", stats.get("tpot_s") or {}, self.tpot_slo_ms, now),
+            ttft=self._latency("ttft", stats.get("ttft_s") or {}, self.ttft_slo_ms, now),
+            queues=self._queues(stats.get("queues") or {}),
+            kv=self._kv(stats, server.link.ready),
+            lanes=[self._lane(lane, now) for lane in Lane],
+            sessions=[self._row(rec) for rec in server.sessions.values()],
+            sessions_total=len(server.sessions),
+            turns_done=self.turns_done,
+            tokens_out=self.tokens_out,
+            tokens_per_s=self._tokens_per_s(now),
+            restarting=server.restarting,
         )
 
     def _server(self, server: OrchestratorServer) -> Server:

@@ -121,7 +121,8 @@ class Snapshot(_S):
     queues: Queues = msgspec.field(default_factory=Queues)
     kv: Kv = msgspec.field(default_factory=Kv)
     lanes: list[LaneStat] = []
-    sessions: list[SessionRow] = []
+    sessions: list[SessionRow] = []  # the stats board may list fewer (the busiest first): see sessions_total
+    sessions_total: int = 0  # sessions open, listed or not
     turns_done: int = 0
     tokens_out: int = 0
     tokens_per_s: float = 0.0

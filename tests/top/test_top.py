@@ -17,8 +17,10 @@ from snapshots import realistic
 
 from agentserve.cli.top import top
 from agentserve.cli.top_view import BLOCKS, render, sparkline
+from agentserve.orchestrator.stats_publisher import BOARD_BYTES, fit_sessions
 from agentserve.protocol.stats import (
     SNAPSHOT_VERSION,
+    SessionState,
     Snapshot,
     decode_snapshot,
     encode_snapshot,
@@ -46,6 +48,26 @@ def test_80x24_fits_and_shows_every_block():
                    "react-agent-1", "prefilling", "in_tool", "+"):  # fmt: skip
         assert needle in text, needle
     assert "more" in text  # 12 sessions do not fit in 24 rows: the rest is counted
+
+
+def test_thousands_of_sessions_still_reach_the_board_busiest_first():
+    """The board holds 256 KiB: with ~2,800+ sessions the snapshot did not fit and was not published at all (`top`
+    froze on the last one that fit).  Now the busiest sessions that fit are listed and the rest counted."""
+    snap = realistic(6000)
+    data = encode_snapshot(snap)
+    assert len(data) > BOARD_BYTES
+    fitted = decode_snapshot(fit_sessions(snap, data, BOARD_BYTES))
+    assert len(fit_sessions(snap, data, BOARD_BYTES)) <= BOARD_BYTES and fitted.sessions_total == 6000
+    listed = fitted.sessions
+    assert 0.9 * BOARD_BYTES / (len(data) / 6000) < len(listed) < 6000  # about as many as fit
+    busiest = [SessionState.DECODING, SessionState.PREFILLING, SessionState.QUEUED, SessionState.IN_TOOL]
+    ranks = [busiest.index(r.state) for r in listed]
+    assert ranks == sorted(ranks) and listed[0].state == SessionState.DECODING  # at work first
+    lines = screen(fitted, 80, 24)
+    shown = sum("react-agent" in line for line in lines)
+    assert shown > 0 and f"+{6000 - shown} more" in "\n".join(lines)  # the rows the board left out are counted too
+    small = encode_snapshot(realistic(6))
+    assert fit_sessions(realistic(6), small, BOARD_BYTES) is small
 
 
 def test_200_columns_puts_blocks_side_by_side_and_lists_all_sessions():
