@@ -23,7 +23,7 @@ SESSION_LIMIT = "limits.clients.max_sessions"
 class Limits:
     max_frame_bytes: int = 16 * 2**20  # one msgpack frame
     max_nesting: int = 64  # containers inside containers in tool schemas
-    max_messages: int = 1024  # messages in one turn
+    max_messages: int = 4096  # messages in one turn (as many as the HTTP gateway takes in one request)
     max_text_bytes: int = 4 * 2**20  # all message text of one turn, checked before tokenising
     max_token_ids: int = 1 << 20  # raw token ids in one turn
     max_stop_strings: int = 16

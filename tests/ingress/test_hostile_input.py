@@ -118,7 +118,7 @@ def _deep(depth: int) -> list:
 OVER = {
     "max_stop_strings": _turn(stop=["x"] * 5),
     "max_stop_bytes": _turn(stop=["x" * 257]),
-    "max_messages": Turn(req=3, session=1, messages=[Message("user", "x")] * 1025),
+    "max_messages": Turn(req=3, session=1, messages=[Message("user", "x")] * 4097),
     "max_text_bytes": Turn(req=3, session=1, messages=[Message("user", "é" * 1025)]),
     "tool-call max_text_bytes": Turn(req=3, session=1, messages=[Message("assistant", "", tool_calls=[
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": "y" * 2048}}}])]),
