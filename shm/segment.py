@@ -133,7 +133,8 @@ def pid_alive(pid: int, start_time: int = 0) -> bool:
 # ---------------------------------------------------------------- cleanup on exit / SIGTERM
 
 _cleanups: dict[str, tuple[int, Callable[[], None]]] = {}
-_cleanup_lock = threading.Lock()
+# reentrant: a signal handler (`up`'s forced stop, the SIGTERM hook) runs the clean-ups in the thread that may hold it
+_cleanup_lock = threading.RLock()
 _hooks_installed = False
 
 

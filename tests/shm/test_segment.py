@@ -140,3 +140,29 @@ def test_a_forked_child_does_not_unlink_its_parents_segments(run):
         p.start()
         p.join()
         assert p.exitcode == 0 and ours(run) == before
+
+
+def test_a_forced_stop_landing_while_the_clean_up_holds_the_registry_lock_still_removes_everything(run):
+    """`up`'s forced stop (a second signal during the clean-up) runs the clean-ups from a signal handler, in the
+    main thread, which may hold the registry's lock just then (closing a ring unregisters its segments): a plain
+    lock deadlocked there, and every later signal's handler with it, so only SIGKILL ended the process."""
+    proc = _run_python(f"""
+        import os, signal, time
+        from agentserve.cli.up_signals import ForcedStop
+        from agentserve.shm import segment
+        from agentserve.shm.channel import RingPair
+        pair = RingPair.create({run!r}, slots=2, slot_size=64)
+        ForcedStop(lambda: [], None).arm()
+        with segment._cleanup_lock:  # as in unregister_cleanup
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)
+    """)
+    try:
+        _out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        sg.cleanup_stale(f"/agentserve-{run}")
+        pytest.fail("the forced stop deadlocked")
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert ours(run) == []
