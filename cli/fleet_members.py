@@ -65,12 +65,6 @@ def http_json(url: str, headers: dict[str, str] | None = None) -> dict[str, Any]
     return answer if isinstance(answer, dict) else None
 
 
-def _worker_auth() -> dict[str, str]:
-    """The header a worker started with ``AGENTSERVE_API_KEY`` (inherited from here) wants on ``/server_info``."""
-    key = os.environ.get("AGENTSERVE_API_KEY", "")
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 @dataclass
 class Member:
     name: str
@@ -118,6 +112,7 @@ class Worker(Member):
     url: str = ""
     endpoint: str = ""
     model: str = ""  # the name its gateway serves
+    api_key: str = field(default="", repr=False)  # the key its gateway wants on /server_info ("" none)
 
     def healthy(self) -> bool:
         """Serving, and this worker: ``/health`` is 200 and ``/server_info`` names an AgentServe server of this
@@ -125,7 +120,8 @@ class Worker(Member):
         would then route to it."""
         if http_get(self.url + "/health")[0] != 200:
             return False
-        info = http_json(self.url + "/server_info", _worker_auth()) or {}
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        info = http_json(self.url + "/server_info", auth) or {}
         return (info.get("server"), info.get("run"), info.get("served_model_name")) == ("agentserve", self.run,
                                                                                        self.model)
 
@@ -162,19 +158,21 @@ def make_worker(index: int, name: str, model: str, host: str, port: int, extra: 
     bracketed = f"[{host}]" if ":" in host else host
     return Worker(name=f"worker {index}", command=worker_command(model, run, host, port, endpoint, extra),
                   log_path=log_dir / f"worker{index}.log", index=index, run=run,
-                  url=f"http://{bracketed}:{port}", endpoint=endpoint, model=served_name(model, extra))
+                  url=f"http://{bracketed}:{port}", endpoint=endpoint,
+                  model=flag_value(extra, "--served-model-name", model),
+                  api_key=flag_value(extra, "--api-key", os.environ.get("AGENTSERVE_API_KEY", "")))
 
 
-def served_name(model: str, extra: list[str]) -> str:
-    """The model name a worker's gateway serves: the last ``--served-model-name`` among ``extra`` (as ``up`` reads
-    its flags), else ``model``."""
-    name = model
+def flag_value(extra: list[str], flag: str, default: str) -> str:
+    """The value ``up`` reads for ``flag`` from ``extra``: the last ``flag V`` or ``flag=V``, else ``default`` (the
+    model for ``--served-model-name``; for ``--api-key``, ``AGENTSERVE_API_KEY``, which the worker inherits)."""
+    value = default
     for i, arg in enumerate(extra):
-        if arg == "--served-model-name" and i + 1 < len(extra):
-            name = extra[i + 1]
-        elif arg.startswith("--served-model-name="):
-            name = arg.split("=", 1)[1]
-    return name
+        if arg == flag and i + 1 < len(extra):
+            value = extra[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def router_command(worker_urls: list[str], host: str, port: int, metrics_port: int, settings: dict[str, Any],

@@ -114,7 +114,12 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - the handler's name
         body = self.server.answers.get(self.path, b"ok")  # type: ignore[attr-defined]
-        self.send_response(200)
+        key = self.server.key  # type: ignore[attr-defined]
+        if key and self.path != "/health" and self.headers.get("Authorization") != f"Bearer {key}":
+            body = b'{"error": {"code": "invalid_api_key"}}'
+            self.send_response(401)
+        else:
+            self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -127,6 +132,7 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
 def stand_in():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StandIn)
     server.answers = {}
+    server.key = ""  # with one: 401 without it but on /health, as an `up --api-key` gateway
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -159,6 +165,23 @@ def test_a_worker_serving_under_another_name_is_expected_under_it(stand_in, tmp_
     for extra in (["--served-model-name", "served"], ["--served-model-name=x", "--served-model-name=served"]):
         assert make_worker(0, "f", "tiny", "127.0.0.1", port, extra, tmp_path).healthy(), extra
     assert not make_worker(0, "f", "tiny", "127.0.0.1", port, [], tmp_path).healthy()
+
+
+def test_a_worker_with_an_api_key_is_asked_with_it(stand_in, tmp_path, monkeypatch) -> None:
+    """A worker's gateway wants its key on /server_info: the one `--server-arg=--api-key` gives it (the last, as
+    `up` reads its flags; it wins over the environment's) or else the AGENTSERVE_API_KEY it inherits.  Only the
+    environment's was sent, so a fleet whose workers got the key as a server argument never became ready."""
+    stand_in.answers["/server_info"] = _info("f-w0", "tiny")
+    stand_in.key = "sk-w"
+    port = stand_in.server_address[1]
+    monkeypatch.delenv("AGENTSERVE_API_KEY", raising=False)
+    for extra in (["--api-key", "sk-w"], ["--api-key=x", "--api-key=sk-w"]):
+        assert make_worker(0, "f", "tiny", "127.0.0.1", port, extra, tmp_path).healthy(), extra
+    assert not make_worker(0, "f", "tiny", "127.0.0.1", port, [], tmp_path).healthy()  # no key: 401
+    monkeypatch.setenv("AGENTSERVE_API_KEY", "sk-w")
+    assert make_worker(0, "f", "tiny", "127.0.0.1", port, [], tmp_path).healthy()
+    assert not make_worker(0, "f", "tiny", "127.0.0.1", port, ["--api-key", "other"], tmp_path).healthy()
+    assert "sk-w" not in repr(make_worker(0, "f", "tiny", "127.0.0.1", port, [], tmp_path))
 
 
 # ---- bad input to `fleet up` is one line and exit 2, before any member starts ------------------------------------
