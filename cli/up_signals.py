@@ -5,7 +5,8 @@ returns) and the clean-up runs: the gateway and the executor are asked to stop a
 for an executor that does not answer), then the shared memory and the socket are removed.  A second one during the
 clean-up forces it (so does the first, when the clean-up follows an error): SIGKILL to the executor and the
 gateway, the run's segments and ipc socket removed all the same, exit code 128 + the signal's number (130 for a
-second Ctrl-C).  Once the clean-up is done, signals are ignored until the exit.
+second Ctrl-C); signals during the forced stop are ignored.  Once the clean-up is done, signals are ignored until the
+exit.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class ForcedStop:
         self._socket = socket
 
     def __call__(self, signum: int, frame: object) -> None:
+        ignore_signals()  # a third one must not run this again: it would find the names taken and exit before them
         log.warning("received %s during the clean-up; forcing it: killing the executor and the gateway",
                     signal.Signals(signum).name)
         for proc in self._children():

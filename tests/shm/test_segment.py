@@ -1,4 +1,5 @@
-"""Segment lifecycle: names, the size-0 race, stale cleanup, SIGTERM / exit cleanup, resource_tracker."""
+"""Segment lifecycle: names, the size-0 race, stale cleanup, SIGTERM / exit cleanup (and `up`'s forced stop),
+resource_tracker."""
 
 from __future__ import annotations
 
@@ -165,4 +166,24 @@ def test_a_forced_stop_landing_while_the_clean_up_holds_the_registry_lock_still_
         sg.cleanup_stale(f"/agentserve-{run}")
         pytest.fail("the forced stop deadlocked")
     assert proc.returncode == 128 + signal.SIGINT, err
+    assert ours(run) == []
+
+
+def test_a_third_signal_during_the_forced_stop_does_not_cut_its_removals_short(run):
+    """The forced stop takes every name off the registry, then removes them one by one; a third Ctrl-C landing
+    meanwhile ran the forced stop again, which found the registry empty and exited at once: the names the first
+    had not removed yet stayed in /dev/shm for good."""
+    proc = _run_python(f"""
+        import os, signal, time
+        from agentserve.cli.up_signals import ForcedStop
+        from agentserve.shm import segment
+        from agentserve.shm.channel import RingPair
+        segment.register_cleanup("a third signal", lambda: os.kill(os.getpid(), signal.SIGINT))  # removed first
+        pair = RingPair.create({run!r}, slots=2, slot_size=64)
+        ForcedStop(lambda: [], None).arm()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    """)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
     assert ours(run) == []
