@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -33,7 +34,11 @@ def sweep_log_dirs() -> list[Path]:
     removed = []
     for entry in Path(tempfile.gettempdir()).glob("agentserve-*-pid*"):
         found = _NAME.match(entry.name)
-        if found is None or entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.getuid():
+        try:
+            info = entry.lstat()  # a link is no folder of ours
+        except FileNotFoundError:  # another fleet swept it first
+            continue
+        if found is None or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
             continue
         if not pid_alive(int(found[1]), int(found[2])):
             shutil.rmtree(entry, ignore_errors=True)

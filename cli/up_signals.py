@@ -2,11 +2,11 @@
 
 The first one stops it (while loading: the load is interrupted; while serving: the loop ends its turns and
 returns) and the clean-up runs: the gateway and the executor are asked to stop and given a grace (seconds, more
-for an executor that does not answer), then the shared memory and the socket are removed.  A second one during the
-clean-up forces it (so does the first, when the clean-up follows an error): SIGKILL to the executor and the
-gateway, the run's segments and ipc socket removed all the same, exit code 128 + the signal's number (130 for a
-second Ctrl-C); signals during the forced stop are ignored.  Once the clean-up is done, signals are ignored until the
-exit.
+for an executor that does not answer), then the shared memory and the socket are removed.  A second one (while the
+loop ends its turns or during the clean-up) forces it (so does the first, when the clean-up follows an error):
+SIGKILL to the executor and the gateway, the run's segments and ipc socket removed all the same, exit code 128 +
+the signal's number (130 for a second Ctrl-C); signals during the forced stop are ignored.  Once the clean-up is
+done, signals are ignored until the exit.
 """
 
 from __future__ import annotations
@@ -35,17 +35,19 @@ class ForcedStop:
 
     def __call__(self, signum: int, frame: object) -> None:
         ignore_signals()  # a third one must not run this again: it would find the names taken and exit before them
-        log.warning("received %s during the clean-up; forcing it: killing the executor and the gateway",
-                    signal.Signals(signum).name)
-        for proc in self._children():
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-        run_cleanups()  # every segment and semaphore of the run: this process made them all
-        if self._socket is not None:
-            self._socket.unlink(missing_ok=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(128 + signum)
+        try:
+            log.warning("received %s during the clean-up; forcing it: killing the executor and the gateway",
+                        signal.Signals(signum).name)
+            for proc in self._children():
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+            run_cleanups()  # every segment and semaphore of the run: this process made them all
+            if self._socket is not None:
+                self._socket.unlink(missing_ok=True)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:  # whatever raised above (a closed stderr, a child gone): the exit is what was asked for
+            os._exit(128 + signum)
 
     def arm(self) -> None:
         """From now on a signal forces the clean-up."""

@@ -149,7 +149,8 @@ class Backend:
             except LimitExceeded as e:
                 if SESSION_LIMIT not in e.message:
                     raise
-                if self._tasks and (await asyncio.wait(list(self._tasks), timeout=CLOSE_WAIT_S))[0]:
+                if self._tasks and (await asyncio.wait(list(self._tasks), timeout=CLOSE_WAIT_S,
+                                                      return_when=asyncio.FIRST_COMPLETED))[0]:
                     continue
                 idle = self._pop_idlest()
                 if idle is None:

@@ -139,7 +139,7 @@ class Ingress:
             if path is not None:
                 _refuse_live_ipc(str(path))
             sock.bind(endpoint)
-        except (zmq.ZMQError, EndpointError, OSError) as e:  # e.g. a missing folder (`up` says so first: check_bind)
+        except (zmq.ZMQError, EndpointError, OSError) as e:  # e.g. the path's folder is a file
             sock.close(linger=0)
             if self._own_ctx:
                 self._ctx.term()

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentserve.orchestrator.stats")
 
 BOARD_BYTES = 256 * 1024
+ARRAY_HEADER_BYTES = 5  # msgpack's largest list header (array 32)
 NAME_CHARS = 64  # a session's name as `top` shows it
 WINDOW_S = 10.0
 HISTORY = 60
@@ -61,13 +62,14 @@ def fit_sessions(snap: Snapshot, data: bytes, capacity: int) -> bytes:
         return data
     rows = sorted(snap.sessions, key=lambda r: (_BUSIEST[r.state], -r.id))
     snap = replace(snap, sessions_total=max(snap.sessions_total, len(rows)))
-    base = len(encode_snapshot(replace(snap, sessions=[])))
-    keep = len(rows)
-    while len(data) > capacity and keep > 0:
-        per_row = (len(data) - base) / keep  # the rows' average size in the last try
-        keep = max(0, min(keep - 1, int((capacity - base) / per_row)))
-        data = encode_snapshot(replace(snap, sessions=rows[:keep]))
-    return data
+    room = capacity - len(encode_snapshot(replace(snap, sessions=[]))) - ARRAY_HEADER_BYTES
+    keep = 0
+    for row in rows:  # a list's encoding is its header and its items' encodings, one after another
+        room -= len(encode_snapshot(row))
+        if room < 0:
+            break
+        keep += 1
+    return encode_snapshot(replace(snap, sessions=rows[:keep]))
 
 
 def _ms(summary: dict[str, Any], key: str) -> float:

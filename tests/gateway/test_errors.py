@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from agentserve.gateway.backend import GatewayOptions
+from agentserve.orchestrator.limits import load_limits
 from agentserve.protocol.limits import Limits
 
 OK = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -171,4 +172,5 @@ def test_a_chat_request_the_gateway_takes_is_not_refused_for_its_message_count()
     """The gateway sends a new conversation's messages as one turn: the orchestrator's per-turn bound was 1,024
     against the gateway's 4,096, so a cold chat of 1,025–4,096 messages was a 400 that the same history continued
     message by message was not."""
-    assert Limits().max_messages >= GatewayOptions(endpoint="").max_messages
+    gateway = GatewayOptions(endpoint="").max_messages
+    assert Limits().max_messages >= gateway and load_limits(environ={}).request.max_messages >= gateway  # the toml too
