@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentserve.cli.up import up
 from agentserve.protocol.endpoints import default_endpoint, ipc_path
 from agentserve.shm.segment import PREFIX, cleanup_stale
 
@@ -159,20 +160,14 @@ def make_worker(index: int, name: str, model: str, host: str, port: int, extra: 
     return Worker(name=f"worker {index}", command=worker_command(model, run, host, port, endpoint, extra),
                   log_path=log_dir / f"worker{index}.log", index=index, run=run,
                   url=f"http://{bracketed}:{port}", endpoint=endpoint,
-                  model=flag_value(extra, "--served-model-name", model),
-                  api_key=flag_value(extra, "--api-key", os.environ.get("AGENTSERVE_API_KEY", "")))
+                  model=up_option(extra, "served_model_name") or model, api_key=up_option(extra, "api_key") or "")
 
 
-def flag_value(extra: list[str], flag: str, default: str) -> str:
-    """The value ``up`` reads for ``flag`` from ``extra``: the last ``flag V`` or ``flag=V``, else ``default`` (the
-    model for ``--served-model-name``; for ``--api-key``, ``AGENTSERVE_API_KEY``, which the worker inherits)."""
-    value = default
-    for i, arg in enumerate(extra):
-        if arg == flag and i + 1 < len(extra):
-            value = extra[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
+def up_option(extra: list[str], name: str) -> Any:
+    """The value ``up`` gives its option ``name`` with ``extra`` on its command line, read by ``up``'s own parser
+    (the last one given wins; an option with an environment variable, ``--api-key``, falls back to it, which the
+    worker inherits); None where neither gives one."""
+    return up.make_context("up", list(extra), resilient_parsing=True).params.get(name)
 
 
 def router_command(worker_urls: list[str], host: str, port: int, metrics_port: int, settings: dict[str, Any],

@@ -60,7 +60,7 @@ def check_endpoint(endpoint: str) -> str:
 
 
 def check_bind(endpoint: str, *, allow_remote: bool = False) -> str:
-    """Validate an endpoint for binding; return it normalised.
+    """Validate an endpoint for binding; return it.
 
     ``ipc://PATH`` (absolute path, in a folder that exists: binding makes no folders) and
     ``tcp://<loopback>:PORT`` are always fine.  Any other TCP host (``0.0.0.0``, a LAN address, ``*``)
