@@ -6,15 +6,17 @@ from agentserve.protocol.client_messages import Error, ErrorCode
 
 
 class AgentServeError(Exception):
-    """Base of every error the SDK raises.  ``code`` is the server's error code (if any)."""
+    """Base of every error the SDK raises.  ``code`` is the server's error code (if any); ``param`` the request
+    field at fault, in OpenAI's request terms (``temperature``, ``stop``, ``messages``, ...), "" when none."""
 
     code: ErrorCode | None = None
 
-    def __init__(self, message: str, *, req: int = 0, session: int = 0) -> None:
+    def __init__(self, message: str, *, req: int = 0, session: int = 0, param: str = "") -> None:
         super().__init__(message)
         self.message = message
         self.req = req
         self.session = session
+        self.param = param
 
 
 class MalformedFrame(AgentServeError):
@@ -119,4 +121,5 @@ _BY_CODE: dict[ErrorCode, type[AgentServeError]] = {
 def from_event(event: Error) -> AgentServeError:
     """The exception for a server :class:`Error` event (a code this SDK does not know: a plain ``AgentServeError``)."""
     cls = _BY_CODE.get(event.code, AgentServeError)
-    return cls(f"{getattr(event.code, 'value', event.code)}: {event.message}", req=event.req, session=event.session)
+    message = f"{getattr(event.code, 'value', event.code)}: {event.message}"
+    return cls(message, req=event.req, session=event.session, param=event.param)

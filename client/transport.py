@@ -75,10 +75,11 @@ def _error_of_unknown_code(payload: bytes) -> Error | None:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError:
         return None
-    if not (isinstance(raw, list) and len(raw) in (4, 5) and raw[0] == ERROR_TAG
-            and all(isinstance(v, t) for v, t in zip(raw[1:], (int, str, str, int), strict=False))):
+    if not (isinstance(raw, list) and len(raw) in (4, 5, 6) and raw[0] == ERROR_TAG
+            and all(isinstance(v, t) for v, t in zip(raw[1:], (int, str, str, int, str), strict=False))):
         return None
-    return Error(req=raw[1], code=raw[2], message=raw[3], session=raw[4] if len(raw) == 5 else 0)
+    session, param = (raw[4] if len(raw) > 4 else 0), (raw[5] if len(raw) > 5 else "")
+    return Error(req=raw[1], code=raw[2], message=raw[3], session=session, param=param)
 
 
 class Link:

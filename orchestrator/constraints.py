@@ -30,9 +30,9 @@ def grammar_for(turn: Turn, tools: list[dict[str, Any]], tokenizer: Tokenizer, v
     if c is None or (not c.json_schema and c.tool_choice in UNCONSTRAINED_CHOICES):
         return ""
     if c.json_schema and c.tool_choice not in UNCONSTRAINED_CHOICES:
-        raise GrammarError("a turn constrains to a JSON schema or to tool calls, not both")
+        raise GrammarError("a turn constrains to a JSON schema or to tool calls, not both", "")
     if turn.token_ids:
-        raise GrammarError("constrained output needs a chat turn (messages), not raw token ids")
+        raise GrammarError("constrained output needs a chat turn (messages), not raw token ids", "")
     if c.json_schema:
         grammar = json_schema_grammar(c.json_schema)
     else:
@@ -55,5 +55,13 @@ def constrained_sampling(turn: Turn, tools: list[dict[str, Any]], tokenizer: Tok
     try:
         grammar = grammar_for(turn, tools, tokenizer, vocab_size)
     except GrammarError as e:
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, str(e), turn.req, turn.session) from None
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, str(e), turn.req, turn.session, _param(turn, e)) from None
     return msgspec.structs.replace(params, grammar=grammar) if grammar else params
+
+
+def _param(turn: Turn, error: GrammarError) -> str:
+    """The OpenAI request field a grammar error blames: its own, else the constraint's (a JSON schema is the
+    request's ``response_format``, forced tool calls compile the session's ``tools``)."""
+    if error.param is not None:
+        return error.param
+    return "response_format" if turn.constraint is not None and turn.constraint.json_schema else "tools"

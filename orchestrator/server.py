@@ -72,7 +72,7 @@ from agentserve.protocol.client_messages import (
 )
 from agentserve.protocol.limits import SESSION_LIMIT
 from agentserve.protocol.ring_messages import ExecError, Plan, Ready, Result
-from agentserve.protocol.sampling import Finish
+from agentserve.protocol.sampling import Finish, SamplingError
 from agentserve.shm.errors import MessageTooLarge
 
 log = logging.getLogger("agentserve.orchestrator")
@@ -394,6 +394,7 @@ class Server:
                 f"token id {max(msg.token_ids)} is outside the vocabulary [0, {self.vocab_size})",
                 msg.req,
                 rec.session,
+                "prompt",
             )
 
     @staticmethod
@@ -404,9 +405,10 @@ class Server:
             return job(msg)
         except ProtocolError:
             raise
-        except ValueError as e:  # the chat template refused these messages
+        except ValueError as e:  # the chat template refused these messages (a raw turn's: its system prompt, tools)
+            param = "" if msg.token_ids else "messages"
             raise ProtocolError(
-                ErrorCode.INVALID_REQUEST, f"cannot render the conversation: {e}", msg.req, rec.session
+                ErrorCode.INVALID_REQUEST, f"cannot render the conversation: {e}", msg.req, rec.session, param
             ) from None
 
     def _on_prepared(self, done: Done) -> None:
@@ -441,6 +443,7 @@ class Server:
                 f"the conversation is {len(prompt)} tokens; this server's context holds {max_len - 1}",
                 msg.req,
                 rec.session,
+                msg.input_param,  # OpenAI's context_length_exceeded names `messages`
             )
         sampling = constrained_sampling(msg, rec.conversation.tools, self.tokenizer, self.vocab_size)
         if not rec.scheduled:
@@ -450,7 +453,8 @@ class Server:
         try:
             seq_id = self.sched.submit(rec.sched_id, prompt, sampling, full_prompt=True, now=arrival)
         except ValueError as e:
-            raise ProtocolError(ErrorCode.INVALID_SAMPLING, str(e), msg.req, rec.session) from None
+            param = e.param if isinstance(e, SamplingError) else ""
+            raise ProtocolError(ErrorCode.INVALID_SAMPLING, str(e), msg.req, rec.session, param) from None
         turn = RunningTurn(
             msg.req,
             rec.session,

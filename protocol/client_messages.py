@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 
 from agentserve.protocol.base import WireStruct
-from agentserve.protocol.sampling import SamplingParams
+from agentserve.protocol.sampling import SamplingError, SamplingParams
 
 PROTOCOL_VERSION = 1
 
@@ -160,6 +160,11 @@ class Turn(WireStruct, tag="turn"):
     logprobs: bool = False  # each TokenEvent carries its tokens' logprobs
     top_logprobs: int = 0  # ... and this many most likely alternatives per token (needs ``logprobs``)
 
+    @property
+    def input_param(self) -> str:
+        """The OpenAI request field this turn's input stands for: ``prompt`` (raw token ids) or ``messages``."""
+        return "prompt" if self.token_ids else "messages"
+
     def sampling_params(self, stop_token_ids: list[int] | None = None) -> SamplingParams:
         """The ring's sampling parameters for this turn (not yet validated)."""
         return SamplingParams(
@@ -271,12 +276,16 @@ class StatsReply(WireStruct, tag="stats_reply"):
 
 
 class Error(WireStruct, tag="error"):
-    """``req`` is 0 when the request could not be decoded far enough to know it."""
+    """``req`` is 0 when the request could not be decoded far enough to know it.  ``param`` names the request
+    field at fault in OpenAI's request terms (``temperature``, ``stop``, ``messages``, ``prompt`` for a raw-token
+    turn, ``tools``, ``response_format``, ...), empty when the fault is not one field; a trailing field, so an
+    older reader ignores it and an older writer's error reads as ``param=""``."""
 
     req: int
     code: ErrorCode
     message: str
     session: int = 0
+    param: str = ""
 
 
 ClientMessage = Hello | OpenSession | Turn | Abort | CloseSession | GetStats
@@ -287,16 +296,18 @@ SERVER_TAGS = frozenset(t.__struct_config__.tag for t in ServerEvent.__args__)
 
 
 class ProtocolError(ValueError):
-    """A payload that is not a valid message; ``code`` says which kind of invalid."""
+    """A payload that is not a valid message; ``code`` says which kind of invalid, ``param`` which request field
+    (OpenAI's name, as :class:`Error` carries it; empty when not one field)."""
 
-    def __init__(self, code: ErrorCode, message: str, req: int = 0, session: int = 0) -> None:
+    def __init__(self, code: ErrorCode, message: str, req: int = 0, session: int = 0, param: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.req = req
         self.session = session
+        self.param = param
 
     def to_event(self) -> Error:
-        return Error(req=self.req, code=self.code, message=str(self), session=self.session)
+        return Error(req=self.req, code=self.code, message=str(self), session=self.session, param=self.param)
 
 
 def _diagnose(data: bytes, tags: frozenset[str], err: str) -> ProtocolError:
@@ -408,8 +419,8 @@ def validate(msg: Any) -> None:
 
 
 def _validate_turn(turn: Turn) -> None:
-    def bad(code: ErrorCode, text: str) -> ProtocolError:
-        return ProtocolError(code, text, req=turn.req, session=turn.session)
+    def bad(code: ErrorCode, text: str, param: str = "") -> ProtocolError:
+        return ProtocolError(code, text, req=turn.req, session=turn.session, param=param)
 
     if turn.req <= 0:  # a running turn's req 0 would read as "no turn running"
         raise bad(ErrorCode.INVALID_REQUEST, f"a turn's req must be positive, not {turn.req}")
@@ -419,14 +430,14 @@ def _validate_turn(turn: Turn) -> None:
         raise bad(ErrorCode.INVALID_REQUEST, "a turn needs messages or token_ids")
     for m in turn.messages:
         if m.role not in ROLES:
-            raise bad(ErrorCode.INVALID_REQUEST, f"unknown role {m.role!r} (expected one of {ROLES})")
+            raise bad(ErrorCode.INVALID_REQUEST, f"unknown role {m.role!r} (expected one of {ROLES})", "messages")
     if any(t < 0 for t in turn.token_ids):
-        raise bad(ErrorCode.INVALID_REQUEST, "token ids must be >= 0")
+        raise bad(ErrorCode.INVALID_REQUEST, "token ids must be >= 0", "prompt")
     if any(not s for s in turn.stop):
-        raise bad(ErrorCode.INVALID_SAMPLING, "stop strings must not be empty")
+        raise bad(ErrorCode.INVALID_SAMPLING, "stop strings must not be empty", "stop")
     if turn.top_logprobs and not turn.logprobs:
-        raise bad(ErrorCode.INVALID_SAMPLING, "top_logprobs needs logprobs")
+        raise bad(ErrorCode.INVALID_SAMPLING, "top_logprobs needs logprobs", "top_logprobs")
     try:
         turn.sampling_params().validate()
-    except ValueError as e:
-        raise bad(ErrorCode.INVALID_SAMPLING, str(e)) from None
+    except SamplingError as e:
+        raise bad(ErrorCode.INVALID_SAMPLING, str(e), e.param) from None

@@ -46,9 +46,27 @@ class Limits:
         return limits
 
 
+# (request, limit) -> the OpenAI request field it bounds, carried as the error's ``param`` (a session's system
+# prompt and a turn's messages are both ``messages`` there); a limit not listed bounds no field of the request.
+_PARAMS: dict[tuple[type, str], str] = {
+    (OpenSession, "max_system_bytes"): "messages",
+    (OpenSession, "max_tools"): "tools",
+    (OpenSession, "max_tool_bytes"): "tools",
+    (OpenSession, "max_nesting"): "tools",
+    (Turn, "max_messages"): "messages",
+    (Turn, "max_text_bytes"): "messages",
+    (Turn, "max_name_bytes"): "messages",
+    (Turn, "max_nesting"): "messages",
+    (Turn, "max_token_ids"): "prompt",
+    (Turn, "max_stop_strings"): "stop",
+    (Turn, "max_stop_bytes"): "stop",
+}
+
+
 def _over(name: str, value: int, bound: int, what: str, msg: Any) -> ProtocolError:
     text = f"{what}: {value} exceeds the limit of {bound} (limits.request.{name})"
-    return ProtocolError(ErrorCode.LIMIT_EXCEEDED, text, req=getattr(msg, "req", 0), session=getattr(msg, "session", 0))
+    return ProtocolError(ErrorCode.LIMIT_EXCEEDED, text, req=getattr(msg, "req", 0), session=getattr(msg, "session", 0),
+                         param=_PARAMS.get((type(msg), name), ""))
 
 
 def _check(msg: Any, name: str, value: int, bound: int, what: str) -> None:

@@ -13,6 +13,15 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's 
 # this large; a step starts further constrained sequences only while their grammars fit beside the first.
 MAX_GRAMMAR_BYTES = 48 * 1024
 
+
+class SamplingError(ValueError):
+    """An invalid sampling value; ``param`` is its field, which is also the OpenAI request's name for it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class Finish(enum.IntEnum):
     """Why a sequence stopped producing tokens (``NONE`` while it runs)."""
 
@@ -39,20 +48,19 @@ class SamplingParams(WireStruct, frozen=True):
     top_logprobs: int = 0  # the most likely tokens (with logprobs) returned beside each sampled one
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first invalid field."""
+        """Raise :class:`SamplingError` naming the first invalid field."""
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise SamplingError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise SamplingError("top_k", f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SamplingError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+            raise SamplingError("max_tokens", f"max_tokens must be > 0, got {self.max_tokens}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+            raise SamplingError("top_logprobs",
+                                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-
-
+            raise SamplingError("seed", f"seed must be in [0, 2**63), got {self.seed}")

@@ -26,7 +26,13 @@ MAX_SCHEMA_BYTES = 64 * 1024
 
 
 class GrammarError(ValueError):
-    """A schema or tool choice that cannot be turned into a grammar (the client's error)."""
+    """A schema or tool choice that cannot be turned into a grammar (the client's error).  ``param``: the OpenAI
+    request field at fault when it is not the constraint's own (``response_format`` for a JSON schema, ``tools`` for
+    forced tool calls): ``tool_choice``, or "" when the fault is not one field; None: the constraint's own."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @lru_cache(maxsize=4)
@@ -81,9 +87,10 @@ def tool_call_grammar(fmt: ToolCallFormat, tools: list[dict[str, Any]], choice: 
     tokenizer has ``<tool_call>`` / ``</tool_call>`` as tokens of their own (the model writes those)."""
     names = [tool_function(t)["name"] for t in tools]
     if choice != "required" and choice not in names:
-        raise GrammarError(f"tool_choice names `{choice}`, which is not among the session's tools {names}")
+        raise GrammarError(f"tool_choice names `{choice}`, which is not among the session's tools {names}",
+                           "tool_choice")
     if not tools:
-        raise GrammarError("tool_choice needs tools")
+        raise GrammarError("tool_choice needs tools", "tool_choice")
     key = "parameters" if fmt.name == "llama3_json" else "arguments"
     chosen = [t for t, n in zip(tools, names, strict=True) if choice == "required" or n == choice]
     schemas = [call_schema(t, key) for t in chosen]

@@ -239,10 +239,26 @@ def test_an_error_code_this_sdk_does_not_know_is_still_its_requests_error() -> N
     assert isinstance(event, Error) and (event.req, event.session) == (7, 3)
     error = from_event(event)
     assert type(error) is AgentServeError and str(error) == "some_future_code: try later" and error.req == 7
+    assert error.param == ""
+    event = link.decode(msgspec.msgpack.encode(["error", 8, "some_future_code", "too hot", 3, "temperature"]))
+    assert isinstance(event, Error) and (event.req, event.session, event.param) == (8, 3, "temperature")
+    assert from_event(event).param == "temperature"
     with pytest.raises(ProtocolViolation):
         link.decode(msgspec.msgpack.encode(["error", "not a req", "some_future_code", "x"]))
     with pytest.raises(ProtocolViolation):
         link.decode(msgspec.msgpack.encode(["no_such_event", 7]))
+
+
+def test_an_error_names_the_request_field_the_server_blamed() -> None:
+    from agentserve.client import InvalidSampling, LimitExceeded
+    from agentserve.client.errors import from_event
+    from agentserve.protocol.client_messages import Error, ErrorCode
+
+    error = from_event(Error(4, ErrorCode.INVALID_SAMPLING, "top_p must be in (0, 1], got 0.0", 2, "top_p"))
+    assert isinstance(error, InvalidSampling) and (error.req, error.session, error.param) == (4, 2, "top_p")
+    error = from_event(Error(5, ErrorCode.LIMIT_EXCEEDED, "stop strings: 17 exceeds the limit of 16", 2, "stop"))
+    assert isinstance(error, LimitExceeded) and error.param == "stop"
+    assert from_event(Error(6, ErrorCode.BUSY, "retry")).param == ""
 
 
 @pytest.mark.parametrize("endpoint", ["bogus", "http://127.0.0.1:8000", "ipc://relative/path", "tcp://host-without-port"])

@@ -141,6 +141,26 @@ def test_each_field_over_its_limit_gets_limit_exceeded_naming_it(case):
     assert f"limits.request.{case.split()[-1]}" in str(e.value)
 
 
+# the OpenAI request field each limit bounds, the error's param (a session or client name is no request field)
+OVER_PARAM = {"max_stop_strings": "stop", "max_stop_bytes": "stop", "max_messages": "messages",
+              "max_text_bytes": "messages", "tool-call max_text_bytes": "messages", "tool-call max_nesting": "messages",
+              "max_name_bytes": "messages", "max_token_ids": "prompt", "max_tools": "tools",
+              "max_system_bytes": "messages", "session max_name_bytes": "", "client max_name_bytes": ""}
+
+
+@pytest.mark.parametrize("case", sorted(OVER))
+def test_a_limit_names_the_request_field_it_bounds(case):
+    with pytest.raises(ProtocolError) as e:
+        check_limits(OVER[case], LIMITS)
+    assert e.value.param == OVER_PARAM[case] and e.value.to_event().param == OVER_PARAM[case]
+
+
+def test_tool_schema_bytes_over_the_limit_name_tools():
+    with pytest.raises(ProtocolError, match="max_tool_bytes") as e:
+        check_limits(OpenSession(req=3, version=PROTOCOL_VERSION, tools=[{}]), LIMITS, encoded_tools=4097)
+    assert e.value.param == "tools"
+
+
 @pytest.mark.parametrize("value", [msgspec.msgpack.Ext(1, b"x"), {None: 1}, {(1, 2): 3}, 2**64 - 1])
 def test_any_value_in_tool_calls_is_measured_without_raising(value):
     """A decoded frame may hold values JSON cannot encode: measuring a turn's text once raised TypeError out of the

@@ -96,7 +96,16 @@ BAD = {
         ErrorCode.INVALID_SAMPLING,
         16,
     ),
+    "stop string over its limit": (
+        codec.encode(Turn(req=17, session=1, token_ids=[1], stop=["x" * 257])),
+        ErrorCode.LIMIT_EXCEEDED,
+        17,
+    ),
 }
+# the request field each error names (OpenAI's name: a raw turn's token ids are its `prompt`); "" for the others
+PARAM = {"bad role": "messages", "negative token": "prompt", "bad min_p": "min_p", "bad seed": "seed",
+         "top_logprobs without logprobs": "top_logprobs", "too many top_logprobs": "top_logprobs",
+         "stop string over its limit": "stop"}
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -105,6 +114,7 @@ def test_bad_input_gets_a_typed_error_and_the_ingress_keeps_serving(ingress, pee
     peer.send(payload)
     err = reply(ingress, peer)
     assert isinstance(err, Error) and err.code is code and err.req == req
+    assert err.param == PARAM.get(case, "")
     assert ingress.counters[f"error.{code.value}"] == 1
     peer.send(codec.encode(Hello(req=99, version=PROTOCOL_VERSION)))
     assert isinstance(reply(ingress, peer), Welcome)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -65,6 +66,7 @@ EVENTS = [
     SessionClosed(6, 1),
     StatsReply(7, b"\x80"),
     Error(0, ErrorCode.MALFORMED_FRAME, "bad"),
+    Error(3, ErrorCode.INVALID_SAMPLING, "temperature must be >= 0, got -1.0", 1, "temperature"),
 ]
 
 
@@ -78,6 +80,53 @@ def test_requests_round_trip_and_validate(msg):
 @pytest.mark.parametrize("ev", EVENTS, ids=lambda m: type(m).__name__)
 def test_events_round_trip(ev):
     assert ClientCodec().decode(ServerCodec().encode(ev)) == ev
+
+
+class ErrorBeforeParam(msgspec.Struct, tag="error", array_like=True, omit_defaults=True):
+    """``Error`` as it was before ``param`` (a trailing field) was added: what an older peer reads and writes."""
+
+    req: int
+    code: str
+    message: str
+    session: int = 0
+
+
+def test_error_param_is_a_trailing_field_older_peers_read_and_write():
+    """``param`` travels as the last element of the array, so an older reader takes the rest and ignores it, with
+    or without a param; an older writer's error (one element shorter) reads as ``param=""``."""
+    codec = ServerCodec()
+    blamed = ProtocolError(ErrorCode.INVALID_SAMPLING, "top_p must be in (0, 1], got 0.0", 3, 1, "top_p").to_event()
+    assert ClientCodec().decode(codec.encode(blamed)).param == "top_p"
+    for event in (blamed, Error(4, ErrorCode.BUSY, "retry", 2)):
+        old = msgspec.msgpack.decode(codec.encode(event), type=ErrorBeforeParam)
+        assert (old.req, old.code, old.message, old.session) == (event.req, event.code.value, event.message,
+                                                                 event.session)
+    back = ClientCodec().decode(msgspec.msgpack.encode(ErrorBeforeParam(5, "limit_exceeded", "too many")))
+    assert back == Error(5, ErrorCode.LIMIT_EXCEEDED, "too many") and back.param == ""
+
+
+@pytest.mark.parametrize(
+    ("turn", "param"),
+    [
+        (Turn(1, 1, token_ids=[1], temperature=-1.0), "temperature"),
+        (Turn(1, 1, token_ids=[1], top_k=-2), "top_k"),
+        (Turn(1, 1, token_ids=[1], top_p=1.5), "top_p"),
+        (Turn(1, 1, token_ids=[1], min_p=-0.1), "min_p"),
+        (Turn(1, 1, token_ids=[1], max_tokens=0), "max_tokens"),
+        (Turn(1, 1, token_ids=[1], seed=2**63), "seed"),
+        (Turn(1, 1, token_ids=[1], logprobs=True, top_logprobs=21), "top_logprobs"),
+        (Turn(1, 1, token_ids=[1], top_logprobs=2), "top_logprobs"),
+        (Turn(1, 1, token_ids=[1], stop=[""]), "stop"),
+        (Turn(1, 1, token_ids=[-1]), "prompt"),
+        (Turn(1, 1, messages=[Message("wizard", "x")]), "messages"),
+        (Turn(1, 1), ""),  # neither messages nor token ids: no one field is at fault
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_a_refused_turn_names_the_field_at_fault(turn, param):
+    with pytest.raises(ProtocolError) as e:
+        validate(turn)
+    assert e.value.param == param and e.value.to_event().param == param
 
 
 def test_tags_are_disjoint_so_a_confused_peer_gets_unknown_message():
