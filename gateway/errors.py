@@ -85,11 +85,15 @@ _STATUS: list[tuple[type[AgentServeError], int, str]] = [
 def from_client_error(error: AgentServeError) -> APIError:
     """The HTTP answer for an error the orchestrator (or the SDK) raised.  A prompt over the context gets OpenAI's
     code, ``context_length_exceeded``, which clients look for to trim or summarise (langchain-openai's
-    ``ContextOverflowError``)."""
+    ``ContextOverflowError``).  ``param`` is the request field the orchestrator blamed, already in OpenAI's terms and
+    the name the client sent: the fields the gateway renames (``max_completion_tokens`` sent on as ``max_tokens``,
+    ``/v1/completions``' ``logprobs`` as ``top_logprobs``) are bounded by the gateway first, so the orchestrator
+    never blames them."""
     code = error.code.value if error.code is not None else None
     if isinstance(error, PromptTooLong):
         code = "context_length_exceeded"
+    param = error.param or None
     for cls, status, kind in _STATUS:
         if isinstance(error, cls):
-            return APIError(status, error.message, type=kind, code=code)
-    return APIError(500, error.message, type="server_error", code=code)
+            return APIError(status, error.message, type=kind, param=param, code=code)
+    return APIError(500, error.message, type="server_error", param=param, code=code)

@@ -29,12 +29,12 @@ def _error(r, status: int) -> dict:
         ({"max_tokens": 3}, None),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": "hi"}, "messages"),
-        (OK | {"temperature": -1}, None),
-        (OK | {"top_p": 0}, None),
+        (OK | {"temperature": -1}, "temperature"),
+        (OK | {"top_p": 0}, "top_p"),
         (OK | {"max_tokens": 0}, "max_tokens"),
         (OK | {"n": 0}, "n"),
         (OK | {"stop": [""]}, "stop"),
-        (OK | {"seed": -3}, None),
+        (OK | {"seed": -3}, "seed"),
         (OK | {"tool_choice": "required"}, "tool_choice"),
         (OK | {"tool_choice": "sometimes"}, "tool_choice"),
         (OK | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -51,6 +51,35 @@ def test_invalid_fields_are_400(http, body, param) -> None:
     assert err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] == param
+
+
+_TOOLS = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(257)]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "code"),
+    [
+        ("/v1/chat/completions", OK | {"temperature": -0.5}, "temperature", "invalid_sampling"),
+        ("/v1/chat/completions", OK | {"min_p": 2}, "min_p", "invalid_sampling"),
+        ("/v1/chat/completions", OK | {"seed": 2**63}, "seed", "invalid_sampling"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "top_p": 1.5}, "top_p", "invalid_sampling"),
+        ("/v1/chat/completions", OK | {"stop": ["x" * 257]}, "stop", "limit_exceeded"),  # limits.request.max_stop_bytes
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": ["é" * 129]}, "stop", "limit_exceeded"),
+        ("/v1/chat/completions", OK | {"tools": _TOOLS}, "tools", "limit_exceeded"),  # limits.request.max_tools
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 6000}], "max_tokens": 2},
+         "messages", "context_length_exceeded"),
+        ("/v1/completions", {"prompt": [1] * 5000, "max_tokens": 2}, "prompt", "context_length_exceeded"),
+        ("/v1/chat/completions", OK | {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"$ref": "#/$defs/missing"}}}}, "response_format", "invalid_request"),
+    ],
+    ids=["temperature", "min_p", "seed", "completions-top_p", "stop-bytes", "completions-stop-bytes", "tools",
+         "chat-too-long", "completions-too-long", "schema"],
+)
+def test_the_orchestrators_refusals_name_the_request_field(http, path, body, param, code) -> None:
+    """What only the orchestrator judges (sampling ranges, its limits, the context, the grammar) comes back as a
+    400 whose ``param`` names the field, as OpenAI's do, not only its message."""
+    err = _error(http.post(path, json=body), 400)
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
 
 
 def test_bad_json_too_long_prompt_unknown_model_and_route(http) -> None:
