@@ -81,7 +81,7 @@ async def whole(runs: list[ChoiceRun], head: dict[str, Any]) -> dict[str, Any]:
         for run in runs:
             run.abandon()
         raise
-    choices = [{"index": r.index, "message": r.message(), "logprobs": r.logprobs_object(stream=False),
+    choices = [{"index": r.index, "message": r.message(), "logprobs": r.logprobs_object(final=True),
                 "finish_reason": r.finish_reason} for r in runs]
     usage = usage_object([r.done.usage for r in runs if r.done is not None])
     return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
@@ -147,7 +147,7 @@ async def stream(runs: list[ChoiceRun], plan: ChatPlan, head: dict[str, Any]) ->
         async for run, delta in merged(runs):
             body = {} if delta is None else delta_object(delta)
             finish = run.finish_reason if delta is None else None
-            yield chunk(run.index, body, finish, run.logprobs_object(stream=True))
+            yield chunk(run.index, body, finish, run.logprobs_object(final=delta is None))
         if plan.include_usage:
             usage = usage_object([r.done.usage for r in runs if r.done is not None])
             yield sse.event({**head, "choices": [], "usage": usage})

@@ -134,11 +134,13 @@ class ChoiceRun:
         if session is not None:
             self.backend.close_later(session)
 
-    def logprobs_object(self, stream: bool) -> dict[str, Any] | None:
-        """The choice's ``logprobs``: in a stream, of the tokens not sent yet; else of all its tokens."""
+    def logprobs_object(self, final: bool) -> dict[str, Any] | None:
+        """The choice's ``logprobs`` of the tokens not listed yet that start in the text sent so far; ``final``:
+        the reply is done (a whole answer's lists them all), so those at its end (an eos) are listed too, unless a
+        stop string cut the text there (those it cut off are never listed)."""
         if self.logprobs is None:
             return None
-        return self.logprobs.chat(self.logprobs.take()[1] if stream else self.logprobs.tokens)
+        return self.logprobs.take_chat(self.streamer.sent_chars, final)
 
     def message(self) -> dict[str, Any]:
         """The non-streamed ``message`` of this choice."""

@@ -1,15 +1,15 @@
 """Token logprobs as OpenAI shapes them: chat's ``logprobs.content`` and the legacy completions object.
 
 The orchestrator sends each token's logprob (and, when asked, its most likely alternatives) with the
-token; a :class:`LogprobLog` keeps them in order and renders the not-yet-sent part for a stream chunk or
-all of it for a whole answer.  A token's text is the checkpoint tokenizer's decoding of that one id
-(special tokens kept) — a token that is part of one character decodes to U+FFFD, as in vLLM — and its
-``bytes`` are the token's own raw bytes, so a client joins split characters back together.  A legacy
-``text_offset`` indexes the text the answer returns: the length of what the tokens before it decode to,
-as the orchestrator detokenizes the output (special tokens skipped, a partial character held back until it is
-whole); a token that starts in text a stop string cut off is not listed (vLLM lists it, past the text's end).
-A logprob of ``-inf`` (a token the grammar ruled out) is written as -9999.0, OpenAI's stand-in: JSON has no
-infinity.
+token; a :class:`LogprobLog` keeps them in order and renders, for a stream chunk, the tokens not sent yet that
+start in the text sent so far, or, for a whole answer, those that start in the returned text.  A token's text
+is the checkpoint tokenizer's decoding of that one id (special tokens kept) — a token that is part of one
+character decodes to U+FFFD, as in vLLM — and its ``bytes`` are the token's own raw bytes, so a client joins
+split characters back together.  A token starts (a legacy ``text_offset``) where the text of the tokens before
+it ends, as the orchestrator detokenizes the output (special tokens skipped, a partial character held back
+until it is whole); a token that starts in text a stop string cut off is listed by neither endpoint (vLLM lists
+it, past the text's end; llama.cpp drops it).  A logprob of ``-inf`` (a token the grammar ruled out) is written
+as -9999.0, OpenAI's stand-in: JSON has no infinity.
 """
 
 from __future__ import annotations
@@ -71,10 +71,16 @@ class LogprobLog:
             tops = event.top_logprobs[i] if i < len(event.top_logprobs) else []
             self.tokens.append((token, logprob, tops))
 
-    def take(self) -> tuple[int, list[tuple[int, float, Alternatives]]]:
-        """The index of the first token not sent yet, and those tokens (now counted as sent)."""
-        start, new, self.sent = self.sent, self.tokens[self.sent:], len(self.tokens)
-        return start, new
+    def take(self, chars: int, final: bool) -> tuple[int, list[tuple[int, float, Alternatives]]]:
+        """The index of the first token not sent yet, and the tokens from it whose text starts within the first
+        ``chars`` characters of the returned text, now counted as sent.  ``final``: the text is whole, ``chars``
+        long; then the tokens at its end (an eos) are taken too, unless a stop string cut the text short: the
+        tokens that start in the cut text are never taken, so every token starts within the returned text."""
+        offsets = self._offsets_to(len(self.tokens))
+        uncut = final and self._chars <= chars
+        end = len(self.tokens) if uncut else bisect_left(offsets, chars, lo=self.sent)
+        start, self.sent = self.sent, end
+        return start, self.tokens[start:end]
 
     def text(self, token: int) -> str:
         if token not in self._texts:
@@ -92,7 +98,7 @@ class LogprobLog:
     def _offsets_to(self, end: int) -> list[int]:
         """The text offsets of the first ``end`` tokens, extended from those already known (each token is
         detokenized once: the detokenizer decodes a window of a few tokens, never the whole output)."""
-        if self._detok is None:  # only the legacy object needs it: the orchestrator's detokenization
+        if self._detok is None:  # made on first use: the orchestrator's detokenization
             self._detok = self.tokenizer.detokenizer(skip_special_tokens=True)
         for token, _, _ in self.tokens[len(self._offsets):end]:
             self._offsets.append(self._chars)
@@ -105,16 +111,14 @@ class LogprobLog:
                    for t, lp, tops in tokens]
         return {"content": content, "refusal": None}
 
+    def take_chat(self, chars: int, final: bool) -> dict[str, Any]:
+        """Chat's ``logprobs`` object of the tokens :meth:`take` takes."""
+        return self.chat(self.take(chars, final)[1])
+
     def take_legacy(self, chars: int, final: bool) -> dict[str, Any]:
-        """The completions ``logprobs`` object of the tokens not sent yet whose text starts within the first
-        ``chars`` characters of the returned text, now counted as sent.  ``final``: the text is whole, ``chars``
-        long; then the tokens at its end (an eos) are listed too, unless a stop string cut the text short: the
-        tokens that start in the cut text are never listed, so every offset indexes the returned text."""
-        offsets = self._offsets_to(len(self.tokens))
-        uncut = final and self._chars <= chars
-        end = len(self.tokens) if uncut else bisect_left(offsets, chars, lo=self.sent)
-        start, self.sent = self.sent, end
-        return self.legacy(start, self.tokens[start:end])
+        """The completions ``logprobs`` object of the tokens :meth:`take` takes: every offset indexes the
+        returned text."""
+        return self.legacy(*self.take(chars, final))
 
     def legacy(self, start: int, tokens: list[tuple[int, float, Alternatives]]) -> dict[str, Any]:
         """The completions ``logprobs`` object for ``tokens``, the output's tokens from index ``start``."""

@@ -100,5 +100,11 @@ class ReplyStreamer:
         return out
 
     @property
+    def sent_chars(self) -> int:
+        """How much of the text is sent: the content, a prefix of it, until a call starts (a tail that may start
+        one is held back); then all of it (the calls' text goes out as their deltas)."""
+        return len(self.text) if self.calls else len(self.content)
+
+    @property
     def content_or_none(self) -> str | None:
         return self.content if self.content or not self.calls else None

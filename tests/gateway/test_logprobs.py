@@ -12,7 +12,9 @@ import torch
 from agentserve.client import TokenIds
 from agentserve.executor.builtin import build_tokenizer, resolve_model
 from agentserve.gateway.logprobs import LogprobLog
+from agentserve.gateway.reply_stream import ReplyStreamer
 from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.orchestrator.text.tool_formats import HermesFormat
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12] * 4
 
@@ -123,6 +125,94 @@ def test_completion_logprobs_leave_out_the_tokens_a_stop_string_cut(http, stream
     assert lp == {k: v[:kept] for k, v in full_lp.items()} and all(o < len(text) for o in lp["text_offset"])
 
 
+CHAT = {"messages": [{"role": "user", "content": "Count with me: one, two"}], "max_tokens": 24, "temperature": 1.0,
+        "seed": 0, "top_k": 40, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+
+
+def tiny_tokenizer() -> Tokenizer:
+    return Tokenizer(build_tokenizer(), {}, {}, [])
+
+
+def tiny_ids(entries: list[dict]) -> list[int]:
+    """The ids of chat entries' tokens in tiny's tokenizer, found by their bytes (a token of none is an id past the
+    tokenizer's, which decodes to nothing, as 300 does)."""
+    tokenizer = tiny_tokenizer()
+    by_bytes = {tokenizer.token_bytes(i): i for i in reversed(range(tokenizer.vocab_size))}
+    by_bytes[b""] = 300
+    return [by_bytes[bytes(e["bytes"])] for e in entries]
+
+
+def starts(entries: list[dict]) -> list[int]:
+    """Where each entry's token starts in the reply: the length of what the tokens before it decode to, as the
+    orchestrator detokenizes them (a partial character held back until it is whole)."""
+    detok, out, chars = tiny_tokenizer().detokenizer(), [], 0
+    for token in tiny_ids(entries):
+        out.append(chars)
+        chars += len(detok.add(token))
+    return out
+
+
+def joined(entries: list[dict]) -> str:
+    """What the entries' tokens decode to together (special tokens skipped, as in the reply)."""
+    return tiny_tokenizer().decode(tiny_ids(entries))
+
+
+def chat(http, body: dict, stream: bool) -> tuple[str, list[dict], int]:
+    """The content, the ``logprobs.content`` entries (a stream's joined) and the completion tokens of a chat
+    reply; a stream's chunks each list only tokens that start in the content sent so far (the last one aside)."""
+    if not stream:
+        reply = http.post("/v1/chat/completions", json=body).json()
+        choice = reply["choices"][0]
+        return choice["message"]["content"], choice["logprobs"]["content"], reply["usage"]["completion_tokens"]
+    content, entries, usage = "", [], 0
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        for event in (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")):
+            usage = (event.get("usage") or {}).get("completion_tokens", usage)
+            for choice in event["choices"]:
+                content += choice["delta"].get("content") or ""
+                entries += (choice["logprobs"] or {}).get("content", [])
+                assert choice["finish_reason"] or all(o < len(content) for o in starts(entries)), (content, entries)
+    return content, entries, usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_leave_out_the_tokens_a_stop_string_cut(http, stream: bool) -> None:
+    """A stop string across tokens: ``logprobs.content`` lists the tokens that start in the returned content (the
+    one the stop starts inside too), not those of the text it cut off (they were all listed); streamed as whole."""
+    full, full_entries, _ = chat(http, CHAT, stream=False)
+    offsets = starts(full_entries)
+    stop = spanning_stop(full, offsets)
+    content, entries, _ = chat(http, CHAT | {"stop": [stop]}, stream)
+    assert content == full[:full.find(stop)]
+    kept = sum(o < len(content) for o in offsets)
+    assert entries == full_entries[:kept] and all(o < len(content) for o in starts(entries))
+    assert joined(entries).startswith(content)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_without_a_stop_list_every_token(http, stream: bool) -> None:
+    """No stop string: every token the reply used is listed, its text the returned content."""
+    content, entries, completion_tokens = chat(http, CHAT, stream)
+    assert len(entries) == completion_tokens == CHAT["max_tokens"]
+    assert joined(entries) == content
+
+
+@pytest.mark.parametrize("then", ['_call>\n{"name": "f", "arguments": {}}', "!"])
+def test_chat_tokens_wait_for_the_text_a_tool_call_tag_may_start(then: str) -> None:
+    """Tools offered: content that may start ``<tool_call>`` is held back, and so are its tokens; once a call
+    starts, or the reply ends with none, the rest are listed (a call's tokens too)."""
+    streamer, log = ReplyStreamer(HermesFormat()), tiny_log([])
+    log.add(TokenIds(list(b"Hi <tool"), 0.0, 0.0, [-1.0] * 8))
+    streamer.feed("Hi <tool")
+    assert [e["token"] for e in log.take_chat(streamer.sent_chars, final=False)["content"]] == ["H", "i"]
+    log.add(TokenIds(list(then.encode()), 0.0, 0.0, [-1.0] * len(then)))
+    streamer.feed(then)
+    streamer.finish()
+    rest = log.take_chat(streamer.sent_chars, final=True)["content"]
+    assert "".join(e["token"] for e in rest) == " <tool" + then
+
+
 def assert_offsets_index(text: str, tokens: list[str], offsets: list[int]) -> None:
     """Each offset points into ``text`` where its token's text is (a part of a character reads U+FFFD alone)."""
     assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets), (text, offsets)
@@ -131,7 +221,7 @@ def assert_offsets_index(text: str, tokens: list[str], offsets: list[int]) -> No
 
 
 def tiny_log(ids: list[int]) -> LogprobLog:
-    log = LogprobLog(Tokenizer(build_tokenizer(), {}, {}, []))
+    log = LogprobLog(tiny_tokenizer())
     log.add(TokenIds(ids, 0.0, 0.0, [-1.0] * len(ids), [[(i, -1.0)] for i in ids]))
     return log
 
@@ -140,11 +230,12 @@ def test_text_offsets_index_the_text_past_split_characters() -> None:
     """A token inside a character decodes to U+FFFD alone; counted as one character each, every later offset
     drifted (and the last could be the text's length)."""
     ids = [*"aé b€!".encode(), 256, 300]  # byte-level ids: 2 + 3 tokens of split characters; then eos, a padded id
-    log = LogprobLog(Tokenizer(build_tokenizer(), {}, {}, []))
+    log = LogprobLog(tiny_tokenizer())
     streamed: list[int] = []
-    for chunk in (ids[:2], ids[2:5], ids[5:7], ids[7:]):
+    sent = [(ids[:2], "a"), (ids[2:5], "aé b"), (ids[5:7], "aé b"), (ids[7:], "aé b€!")]  # a partial character waits
+    for i, (chunk, text) in enumerate(sent):
         log.add(TokenIds(chunk, 0.0, 0.0, [-1.0] * len(chunk)))
-        streamed += log.legacy(*log.take())["text_offset"]
+        streamed += log.take_legacy(len(text), final=i == len(sent) - 1)["text_offset"]
     whole = log.legacy(0, log.tokens)
     assert whole["text_offset"] == streamed == [0, 1, 1, 2, 3, 4, 4, 4, 5, 6, 6]
     assert_offsets_index("aé b€!", whole["tokens"][:-2], whole["text_offset"][:-2])

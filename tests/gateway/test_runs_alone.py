@@ -26,7 +26,7 @@ def test_an_unexpected_error_mid_stream_is_an_error_event_then_done(monkeypatch)
 
     monkeypatch.setattr(chat, "merged", merged)
     monkeypatch.setattr(_Run, "finish_reason", "stop", raising=False)
-    monkeypatch.setattr(_Run, "logprobs_object", lambda self, stream: None, raising=False)
+    monkeypatch.setattr(_Run, "logprobs_object", lambda self, final: None, raising=False)
     run = _Run()
     plan = SimpleNamespace(include_usage=False)
 
