@@ -20,7 +20,7 @@ from agentserve.gateway.metrics import Metrics
 from agentserve.gateway.token_conversations import TokenConversationMap
 from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.client_messages import Welcome
-from agentserve.protocol.limits import SESSION_LIMIT
+from agentserve.protocol.limits import SESSION_LIMIT, Limits
 from agentserve.protocol.stats import Snapshot, decode_snapshot
 
 log = logging.getLogger("agentserve.gateway")
@@ -35,8 +35,6 @@ class GatewayOptions:
     served_model_name: str = ""  # the name clients send as `model` (default: the checkpoint's folder)
     api_key: str = ""
     max_body_bytes: int = 8 * 2**20
-    max_messages: int = 4096
-    max_stop: int = 16
     max_n: int = 16
     conversation_capacity: int = 4096
     conversation_idle_s: float = 600.0
@@ -49,6 +47,7 @@ class Backend:
         self.client: AsyncAgentClient | None = None
         self.welcome: Welcome | None = None
         self.tokenizer: Tokenizer | None = None
+        self.limits = Limits()  # the server's request limits, once its Welcome says them
         self.metrics: Metrics | None = None
         self.conversations = ConversationMap(options.conversation_capacity, options.conversation_idle_s,
                                              on_evict=self.close_later)
@@ -82,6 +81,7 @@ class Backend:
             welcome = client.server
             assert welcome is not None
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, welcome.model)
+            self.limits = Limits.announced(welcome.limits)
             self.welcome = welcome
             self.metrics = Metrics(self.model_name, welcome.max_model_len, self.options.metrics_compat)
             self.client = client

@@ -11,9 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from agentserve.gateway.backend import Backend, GatewayOptions
+from agentserve.gateway.backend import Backend
 from agentserve.gateway.conversations import chain
 from agentserve.gateway.errors import bad_request
+from agentserve.gateway.limits import over_limit
 from agentserve.gateway.logprobs import chat_options
 from agentserve.gateway.messages import Canonical, Translated, translate
 from agentserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields, Tool, check_unsupported
@@ -55,11 +56,12 @@ class ChatPlan:
 MAX_INT64 = 2**63 - 1
 
 
-def sampling_options(req: SamplingFields, max_tokens: int | None, opts: GatewayOptions,
-                     max_model_len: int) -> dict[str, Any]:
+def sampling_options(req: SamplingFields, max_tokens: int | None, backend: Backend) -> dict[str, Any]:
+    """The turn's sampling and stopping options; the bounds the server announced are checked here already."""
+    max_model_len, max_n = backend.require()[1].max_model_len, backend.options.max_n
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > opts.max_stop:
-        raise bad_request(f"at most {opts.max_stop} stop sequences", param="stop")
+    if len(stops) > backend.limits.max_stop_strings:
+        raise over_limit("max_stop_strings", len(stops), backend.limits, "stop strings", param="stop")
     if any(not s for s in stops):
         raise bad_request("stop sequences must not be empty", param="stop")
     if max_tokens is not None and not 1 <= max_tokens <= MAX_INT64:  # past the context: clamped to it, below
@@ -67,8 +69,8 @@ def sampling_options(req: SamplingFields, max_tokens: int | None, opts: GatewayO
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
     check_unsupported(req)
-    if not 1 <= req.n <= opts.max_n:
-        raise bad_request(f"n must be between 1 and {opts.max_n}", param="n")
+    if not 1 <= req.n <= max_n:
+        raise bad_request(f"n must be between 1 and {max_n}", param="n")
     out: dict[str, Any] = {"max_tokens": min(max_tokens or max_model_len, max_model_len), "stop": stops,
                            "ignore_eos": req.ignore_eos,
                            "temperature": 1.0 if req.temperature is None else req.temperature}
@@ -130,9 +132,8 @@ def constraint(req: ChatCompletionRequest) -> Constraint | None:
 def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
     _, welcome, tokenizer = backend.require()
     backend.check_model(req.model)
-    opts = backend.options
-    if len(req.messages) > opts.max_messages:
-        raise bad_request(f"at most {opts.max_messages} messages", param="messages")
+    if len(req.messages) > backend.limits.max_messages:
+        raise over_limit("max_messages", len(req.messages), backend.limits, "messages in the turn", param="messages")
     translated = translate(req.messages)
     tools = tool_dicts(req.tools)
     names = [t["function"]["name"] for t in tools]
@@ -140,7 +141,7 @@ def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
         raise bad_request("tool names must be unique", param="tools")
     _check_tool_choice(req, tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    options = sampling_options(req, max_tokens, opts, welcome.max_model_len)
+    options = sampling_options(req, max_tokens, backend)
     options["constraint"] = constraint(req)
     options |= chat_options(req.logprobs, req.top_logprobs)
     scan = bool(tools) and req.tool_choice != "none"

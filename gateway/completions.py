@@ -24,6 +24,7 @@ from agentserve.gateway.body import read_body
 from agentserve.gateway.chat import unless_disconnected
 from agentserve.gateway.chat_plan import sampling_options
 from agentserve.gateway.errors import APIError, bad_request, from_client_error
+from agentserve.gateway.limits import check_prompt_text, over_limit
 from agentserve.gateway.logprobs import LogprobLog, completion_options
 from agentserve.gateway.schemas import CompletionRequest, decode_body
 from agentserve.gateway.turn_timer import TurnTimer, count_abandoned
@@ -39,16 +40,19 @@ def prompt_ids(req: CompletionRequest, backend: Backend) -> list[int]:
     """The prompt's token ids (the orchestrator checks them against the model's vocabulary)."""
     _, _, tokenizer = backend.require()
     prompt = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
     if isinstance(prompt, str):
+        check_prompt_text(prompt, backend.limits)
         ids = tokenizer.encode(prompt, add_special_tokens=True)
     elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
-    elif len(prompt) == 1 and isinstance(prompt[0], str):
-        ids = tokenizer.encode(prompt[0], add_special_tokens=True)
     else:
         raise bad_request("prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
+    if len(ids) > backend.limits.max_token_ids:
+        raise over_limit("max_token_ids", len(ids), backend.limits, "token ids in the turn", "prompt")
     if any(t < 0 for t in ids):
         raise bad_request("token ids must be >= 0", param="prompt")
     return ids
@@ -140,12 +144,11 @@ class CompletionRun:
 async def completions(request: Request) -> Response:
     backend: Backend = request.app.state.backend
     req = decode_body(await read_body(request, backend.options.max_body_bytes), ExtraFields)
-    _, welcome, _ = backend.require()
+    backend.require()
     backend.check_model(req.model)
     if req.n != 1 or req.echo:
         raise bad_request("this server supports n=1 and no echo on /v1/completions")
-    options = sampling_options(req, 16 if req.max_tokens is None else req.max_tokens, backend.options,
-                               welcome.max_model_len)
+    options = sampling_options(req, 16 if req.max_tokens is None else req.max_tokens, backend)
     options |= completion_options(req.logprobs)
     ids = await asyncio.to_thread(prompt_ids, req, backend)  # megabytes take seconds: not on the event loop
     run = CompletionRun(backend, ids, options)

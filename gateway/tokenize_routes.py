@@ -17,11 +17,13 @@ from agentserve.gateway.backend import Backend
 from agentserve.gateway.body import read_body
 from agentserve.gateway.chat_plan import tool_dicts
 from agentserve.gateway.errors import bad_request
+from agentserve.gateway.limits import check_conversation, check_prompt_text
 from agentserve.gateway.messages import translate
 from agentserve.gateway.schemas import DetokenizeRequest, TokenizeRequest, decode_body
 from agentserve.orchestrator.text.chat_template import ChatTemplateError
 from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.client_messages import Message
+from agentserve.protocol.limits import Limits
 
 
 async def tokenize(request: Request) -> Response:
@@ -31,14 +33,17 @@ async def tokenize(request: Request) -> Response:
     backend.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give `prompt` or `messages`")
-    ids = await asyncio.to_thread(_token_ids, req, tokenizer)  # megabytes take seconds: not on the event loop
+    ids = await asyncio.to_thread(_token_ids, req, tokenizer, backend.limits)  # megabytes take seconds: off the loop
     return JSONResponse({"count": len(ids), "max_model_len": welcome.max_model_len, "tokens": ids})
 
 
-def _token_ids(req: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
+def _token_ids(req: TokenizeRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+    """The prompt's ids, or the conversation's as a chat request's prompt (within the server's limits on its text)."""
     if req.prompt is not None:
+        check_prompt_text(req.prompt, limits)
         return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     t = translate(req.messages or [])
+    check_conversation(t, limits)
     head = [Message("system", t.system)] if t.system else []
     tools = tool_dicts(req.tools) or None  # as a chat request sends them
     try:

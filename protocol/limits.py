@@ -45,6 +45,16 @@ class Limits:
             raise ValueError(f"request limits must be > 0: {bad}")
         return limits
 
+    @classmethod
+    def announced(cls, values: dict[str, int]) -> Limits:
+        """The limits a server announced (``Welcome.limits``): the defaults for any it did not name; names this
+        code does not know (a newer server's) and values that are no bound are left out."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known and v > 0})
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
 
 # (request, limit) -> the OpenAI request field it bounds, carried as the error's ``param`` (a session's system
 # prompt and a turn's messages are both ``messages`` there); a limit not listed bounds no field of the request.
@@ -63,8 +73,13 @@ _PARAMS: dict[tuple[type, str], str] = {
 }
 
 
+def limit_text(name: str, value: int, bound: int, what: str) -> str:
+    """How a ``limit_exceeded`` refusal reads, wherever it is checked (the ingress, the HTTP gateway)."""
+    return f"{what}: {value} exceeds the limit of {bound} (limits.request.{name})"
+
+
 def _over(name: str, value: int, bound: int, what: str, msg: Any) -> ProtocolError:
-    text = f"{what}: {value} exceeds the limit of {bound} (limits.request.{name})"
+    text = limit_text(name, value, bound, what)
     return ProtocolError(ErrorCode.LIMIT_EXCEEDED, text, req=getattr(msg, "req", 0), session=getattr(msg, "session", 0),
                          param=_PARAMS.get((type(msg), name), ""))
 

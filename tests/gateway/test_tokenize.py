@@ -14,6 +14,7 @@ from agentserve.gateway.backend import Backend, GatewayOptions
 from agentserve.gateway.schemas import TokenizeRequest, decode_body
 from agentserve.gateway.tokenize_routes import _token_ids
 from agentserve.orchestrator.text.tokenization import Tokenizer
+from agentserve.protocol.limits import Limits
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {
@@ -38,7 +39,7 @@ def test_add_special_tokens_on_messages() -> None:
 
     def ids(add: bool) -> list[int]:
         body = f'{{"messages": [{{"role": "user", "content": "hi"}}], "add_special_tokens": {str(add).lower()}}}'
-        return _token_ids(decode_body(body.encode(), TokenizeRequest), tokenizer)
+        return _token_ids(decode_body(body.encode(), TokenizeRequest), tokenizer, Limits())
 
     with_bos, without = ids(True), ids(False)
     assert with_bos == [256, *without] and without[0] != 256
