@@ -164,7 +164,7 @@ def _up(opts: dict[str, Any]) -> int:
         )
         on_signals(server.stop, forced)
         if http is not None:
-            gateway = GatewayProcess(ingress.endpoint, *http, _gateway_args(opts, str(engine["model"])),
+            gateway = GatewayProcess(ingress.endpoint, *http, _gateway_args(opts, str(engine["model"]), limits),
                                      opts["log_level"], api_key=opts["api_key"] or "",
                                      log_json=opts["log_json"]).start()
             publisher.info.http = gateway.url
@@ -209,8 +209,10 @@ def _warn_if_clamped(asked: Any, serving: int) -> None:
                     int(asked), serving, serving)
 
 
-def _gateway_args(opts: dict[str, Any], model: str) -> list[str]:
+def _gateway_args(opts: dict[str, Any], model: str, limits: ServingLimits) -> list[str]:
     args = ["--allow-remote"] if opts["allow_remote"] else []
+    args += ["--tokenize-inline-bytes", str(limits.clients.tokenize_inline_bytes),
+             "--max-tokenizing-bytes", str(limits.clients.max_tokenizing_bytes)]
     args += ["--served-model-name", opts["served_model_name"] or model]
     if opts["metrics_compat"]:
         args += ["--metrics-compat", opts["metrics_compat"]]

@@ -18,6 +18,7 @@ from agentserve.gateway.conversations import ConversationMap
 from agentserve.gateway.errors import APIError, not_found, unavailable
 from agentserve.gateway.metrics import Metrics
 from agentserve.gateway.token_conversations import TokenConversationMap
+from agentserve.gateway.tokenizing import TokenizingLanes
 from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.client_messages import Welcome
 from agentserve.protocol.limits import SESSION_LIMIT, Limits
@@ -36,6 +37,9 @@ class GatewayOptions:
     api_key: str = ""
     max_body_bytes: int = 8 * 2**20
     max_n: int = 16
+    # limits.toml's [clients] bounds of the same names, which `up` passes (a test keeps these defaults equal to them)
+    tokenize_inline_bytes: int = 65536  # a larger body tokenises on a thread of its own
+    max_tokenizing_bytes: int = 64 * 2**20  # bodies waiting for that thread; more: 503 busy
     conversation_capacity: int = 4096
     conversation_idle_s: float = 600.0
     metrics_compat: tuple[str, ...] = ()  # "vllm": also emit every vLLM metric under `vllm:`
@@ -48,6 +52,7 @@ class Backend:
         self.welcome: Welcome | None = None
         self.tokenizer: Tokenizer | None = None
         self.limits = Limits()  # the server's request limits, once its Welcome says them
+        self.tokenizing = TokenizingLanes(options.tokenize_inline_bytes, options.max_tokenizing_bytes)
         self.metrics: Metrics | None = None
         self.conversations = ConversationMap(options.conversation_capacity, options.conversation_idle_s,
                                              on_evict=self.close_later)
@@ -94,6 +99,7 @@ class Backend:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        self.tokenizing.close()
         if self.client is not None:
             for session in [*self.conversations.drain(), *self.token_conversations.drain()]:
                 self.close_later(session)

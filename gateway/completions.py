@@ -8,7 +8,6 @@ that start in the text sent so far.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -143,14 +142,15 @@ class CompletionRun:
 
 async def completions(request: Request) -> Response:
     backend: Backend = request.app.state.backend
-    req = decode_body(await read_body(request, backend.options.max_body_bytes), ExtraFields)
+    body = await read_body(request, backend.options.max_body_bytes)
+    req = decode_body(body, ExtraFields)
     backend.require()
     backend.check_model(req.model)
     if req.n != 1 or req.echo:
         raise bad_request("this server supports n=1 and no echo on /v1/completions")
     options = sampling_options(req, 16 if req.max_tokens is None else req.max_tokens, backend)
     options |= completion_options(req.logprobs)
-    ids = await asyncio.to_thread(prompt_ids, req, backend)  # megabytes take seconds: not on the event loop
+    ids = await backend.tokenizing.run(len(body), lambda: prompt_ids(req, backend))
     run = CompletionRun(backend, ids, options)
     await unless_disconnected(request, run.start(), [run])  # queued or prefilling: a client may give up
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),

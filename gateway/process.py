@@ -35,6 +35,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, ""))
     p.add_argument("--metrics-compat", default="", help="comma-separated: vllm")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    p.add_argument("--tokenize-inline-bytes", type=int, default=GatewayOptions.tokenize_inline_bytes,
+                   help="a larger body tokenises on a thread of its own (limits.clients.tokenize_inline_bytes)")
+    p.add_argument("--max-tokenizing-bytes", type=int, default=GatewayOptions.max_tokenizing_bytes,
+                   help="bodies waiting for that thread; more: 503 busy (limits.clients.max_tokenizing_bytes)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     p.add_argument("--log-json", action="store_true", help="JSON log lines (uvicorn's own included)")
@@ -58,7 +62,8 @@ async def _watch_parent(server: uvicorn.Server, pid: int) -> None:
 async def serve(args: argparse.Namespace) -> None:
     options = GatewayOptions(
         endpoint=args.endpoint, served_model_name=args.served_model_name, api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes, tokenize_inline_bytes=args.tokenize_inline_bytes,
+        max_tokenizing_bytes=args.max_tokenizing_bytes,
         metrics_compat=tuple(m for m in args.metrics_compat.split(",") if m),
     )
     config = uvicorn.Config(build_app(options), host=args.host, port=args.port, log_level="warning",

@@ -8,8 +8,6 @@ tokenizer does not know reads "".
 
 from __future__ import annotations
 
-import asyncio
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -28,12 +26,13 @@ from agentserve.protocol.limits import Limits
 
 async def tokenize(request: Request) -> Response:
     backend: Backend = request.app.state.backend
-    req = decode_body(await read_body(request, backend.options.max_body_bytes), TokenizeRequest)
+    body = await read_body(request, backend.options.max_body_bytes)
+    req = decode_body(body, TokenizeRequest)
     _, welcome, tokenizer = backend.require()
     backend.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give `prompt` or `messages`")
-    ids = await asyncio.to_thread(_token_ids, req, tokenizer, backend.limits)  # megabytes take seconds: off the loop
+    ids = await backend.tokenizing.run(len(body), lambda: _token_ids(req, tokenizer, backend.limits))
     return JSONResponse({"count": len(ids), "max_model_len": welcome.max_model_len, "tokens": ids})
 
 

@@ -5,6 +5,7 @@ the gateway tokenises it (megabytes take seconds of a worker thread)."""
 from __future__ import annotations
 
 import os
+import subprocess
 
 import httpx
 import pytest
@@ -21,6 +22,10 @@ max_text_bytes = 2048
 max_stop_strings = 2
 max_token_ids = 4000
 max_system_bytes = 1024
+
+[clients]
+tokenize_inline_bytes = 1024
+max_tokenizing_bytes = 4096
 """
 
 
@@ -100,3 +105,9 @@ def test_the_server_announces_its_request_limits(small_limits: HttpServer) -> No
     with AgentClient(small_limits.endpoint) as client:
         announced = Limits.announced(client.server.limits)
     assert (announced.max_messages, announced.max_text_bytes, announced.max_stop_strings) == (3, 2048, 2)
+
+
+def test_up_gives_the_gateway_its_clients_bounds(small_limits: HttpServer) -> None:
+    """``[clients]`` of ``up --config`` reaches the gateway's tokenising lanes."""
+    out = subprocess.run(["pgrep", "-af", f"agentserve.gateway.*{small_limits.port}"], capture_output=True, text=True)
+    assert "--tokenize-inline-bytes 1024 --max-tokenizing-bytes 4096" in out.stdout, out.stdout
