@@ -75,7 +75,7 @@ def _error_of_unknown_code(payload: bytes) -> Error | None:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError:
         return None
-    if not (isinstance(raw, list) and len(raw) in (4, 5, 6) and raw[0] == ERROR_TAG
+    if not (isinstance(raw, list) and len(raw) >= 4 and raw[0] == ERROR_TAG  # later fields: an even newer server's
             and all(isinstance(v, t) for v, t in zip(raw[1:], (int, str, str, int, str), strict=False))):
         return None
     session, param = (raw[4] if len(raw) > 4 else 0), (raw[5] if len(raw) > 5 else "")

@@ -243,6 +243,8 @@ def test_an_error_code_this_sdk_does_not_know_is_still_its_requests_error() -> N
     event = link.decode(msgspec.msgpack.encode(["error", 8, "some_future_code", "too hot", 3, "temperature"]))
     assert isinstance(event, Error) and (event.req, event.session, event.param) == (8, 3, "temperature")
     assert from_event(event).param == "temperature"
+    event = link.decode(msgspec.msgpack.encode(["error", 9, "some_future_code", "x", 3, "stop", "a later field", 1]))
+    assert isinstance(event, Error) and (event.req, event.param) == (9, "stop")  # trailing fields of a later server
     with pytest.raises(ProtocolViolation):
         link.decode(msgspec.msgpack.encode(["error", "not a req", "some_future_code", "x"]))
     with pytest.raises(ProtocolViolation):
