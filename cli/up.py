@@ -155,7 +155,7 @@ def _up(opts: dict[str, Any]) -> int:
         _warn_if_clamped(engine.get("max_model_len"), ready.max_model_len)
         ingress.info = Welcome(
             0, 0, server="agentserve", model=model_dir, max_model_len=ready.max_model_len, run=run, pid=os.getpid(),
-            eos_token_ids=list(ready.eos_token_ids), vocab_size=ready.vocab_size, limits=limits.request.as_dict(),
+            eos_token_ids=list(ready.eos_token_ids), vocab_size=ready.vocab_size,
         )
         server = Server(
             ingress, link, tokenizer,

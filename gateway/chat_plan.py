@@ -14,7 +14,6 @@ from typing import Any
 from agentserve.gateway.backend import Backend
 from agentserve.gateway.conversations import chain
 from agentserve.gateway.errors import bad_request
-from agentserve.gateway.limits import over_limit
 from agentserve.gateway.logprobs import chat_options
 from agentserve.gateway.messages import Canonical, Translated, translate
 from agentserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields, Tool, check_unsupported
@@ -56,16 +55,16 @@ class ChatPlan:
 MAX_INT64 = 2**63 - 1
 
 
-def sampling_options(req: SamplingFields, max_tokens: int | None, backend: Backend) -> dict[str, Any]:
-    """The turn's sampling and stopping options; the bounds the server announced are checked here already."""
+def sampling_options(req: SamplingFields, max_tokens: int | None, backend: Backend,
+                     max_tokens_field: str = "max_tokens") -> dict[str, Any]:
+    """The turn's sampling and stopping options (``max_tokens`` as the request named it: ``max_tokens_field``); the
+    orchestrator checks them against its limits (the number of stop strings, their bytes)."""
     max_model_len, max_n = backend.require()[1].max_model_len, backend.options.max_n
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > backend.limits.max_stop_strings:
-        raise over_limit("max_stop_strings", len(stops), backend.limits, "stop strings", param="stop")
     if any(not s for s in stops):
         raise bad_request("stop sequences must not be empty", param="stop")
     if max_tokens is not None and not 1 <= max_tokens <= MAX_INT64:  # past the context: clamped to it, below
-        raise bad_request(f"max_tokens must be between 1 and {MAX_INT64}", param="max_tokens")
+        raise bad_request(f"{max_tokens_field} must be between 1 and {MAX_INT64}", param=max_tokens_field)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
     check_unsupported(req)
@@ -132,16 +131,14 @@ def constraint(req: ChatCompletionRequest) -> Constraint | None:
 def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
     _, welcome, tokenizer = backend.require()
     backend.check_model(req.model)
-    if len(req.messages) > backend.limits.max_messages:
-        raise over_limit("max_messages", len(req.messages), backend.limits, "messages in the turn", param="messages")
     translated = translate(req.messages)
     tools = tool_dicts(req.tools)
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tool names must be unique", param="tools")
     _check_tool_choice(req, tools)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    options = sampling_options(req, max_tokens, backend)
+    named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    options = sampling_options(req, getattr(req, named), backend, named)
     options["constraint"] = constraint(req)
     options |= chat_options(req.logprobs, req.top_logprobs)
     scan = bool(tools) and req.tool_choice != "none"

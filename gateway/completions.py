@@ -23,7 +23,7 @@ from agentserve.gateway.body import read_body
 from agentserve.gateway.chat import unless_disconnected
 from agentserve.gateway.chat_plan import sampling_options
 from agentserve.gateway.errors import APIError, bad_request, from_client_error
-from agentserve.gateway.limits import check_prompt_text, over_limit
+from agentserve.gateway.limits import check_prompt_text
 from agentserve.gateway.logprobs import LogprobLog, completion_options
 from agentserve.gateway.schemas import CompletionRequest, decode_body
 from agentserve.gateway.turn_timer import TurnTimer, count_abandoned
@@ -50,8 +50,6 @@ def prompt_ids(req: CompletionRequest, backend: Backend) -> list[int]:
         raise bad_request("prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
-    if len(ids) > backend.limits.max_token_ids:
-        raise over_limit("max_token_ids", len(ids), backend.limits, "token ids in the turn", "prompt")
     if any(t < 0 for t in ids):
         raise bad_request("token ids must be >= 0", param="prompt")
     return ids

@@ -1,38 +1,43 @@
-"""The server's request limits (``configs/limits.toml``'s ``[request]``, as its ``Welcome`` announces them), checked
-by the gateway where it would otherwise do work the orchestrator refuses afterwards: tokenising a prompt given as
-text (``/v1/completions``, ``/tokenize``), translating thousands of messages.  The refusal reads as the
-orchestrator's own: a 400 with code ``limit_exceeded`` naming ``limits.request.<name>``.
+"""The server's request limits (``configs/limits.toml``'s ``[request]``, announced in its ``Welcome``), checked by the
+gateway where it works before the orchestrator can: it tokenises a prompt given as text itself (``/v1/completions``,
+``/tokenize``), and ``/tokenize`` renders a conversation no turn ever carries.  Everything a turn carries is checked
+by the orchestrator, on what the turn sends (a continued conversation sends only its new messages or tokens).
+A refusal reads as the orchestrator's own: 400, code ``limit_exceeded``, the field in ``param``, the limit named.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
+
 from agentserve.gateway.errors import APIError, bad_request
 from agentserve.gateway.messages import Translated
-from agentserve.protocol.client_messages import ErrorCode
-from agentserve.protocol.limits import Limits, limit_text
+from agentserve.protocol.client_messages import ErrorCode, OpenSession, ProtocolError, Turn
+from agentserve.protocol.limits import Limits, check_limits, limit_text
 
 
-def over_limit(name: str, value: int, limits: Limits, what: str, param: str) -> APIError:
-    """The 400 for ``value`` over the server's limit ``name``."""
-    return bad_request(limit_text(name, value, getattr(limits, name), what), param=param,
-                       code=ErrorCode.LIMIT_EXCEEDED.value)
+def refusal(error: ProtocolError) -> APIError:
+    """The 400 for a request the server's limits refuse, as the orchestrator's refusal reaches an HTTP client."""
+    return bad_request(str(error), param=error.param or None, code=error.code.value)
 
 
-def check_prompt_text(text: str, limits: Limits, param: str = "prompt") -> None:
-    """Refuse a prompt's text over ``max_text_bytes`` before it is tokenised (megabytes take seconds)."""
+def check_prompt_text(text: str, limits: Limits) -> None:
+    """A prompt's text within ``max_text_bytes``, checked before the gateway tokenises it (megabytes take seconds).
+    It bounds the text tokenised for one request: a continued completion resends its whole prompt."""
     size = len(text.encode())
     if size > limits.max_text_bytes:
-        raise over_limit("max_text_bytes", size, limits, "prompt text bytes", param)
+        what = limit_text("max_text_bytes", size, limits.max_text_bytes, "prompt text bytes")
+        raise bad_request(what, param="prompt", code=ErrorCode.LIMIT_EXCEEDED.value)
 
 
-def check_conversation(t: Translated, limits: Limits) -> None:
-    """A whole conversation within what the server takes as a session's system prompt and one turn's messages
-    (a cold chat request sends it so)."""
-    if len(t.messages) > limits.max_messages:
-        raise over_limit("max_messages", len(t.messages), limits, "messages in the turn", "messages")
-    text = sum(m.text_bytes() for m in t.messages)
-    if text > limits.max_text_bytes:
-        raise over_limit("max_text_bytes", text, limits, "message text bytes (content and tool calls)", "messages")
-    system = len(t.system.encode())
-    if system > limits.max_system_bytes:
-        raise over_limit("max_system_bytes", system, limits, "system prompt bytes", "messages")
+def check_conversation(t: Translated, tools: list[dict[str, Any]], limits: Limits) -> None:
+    """A conversation within what the server takes as a cold chat request sends it: a session (system prompt and
+    tools), then one turn of every other message."""
+    try:
+        session = OpenSession(req=0, version=0, system=t.system, tools=tools)
+        check_limits(session, limits, encoded_tools=len(msgspec.msgpack.encode(tools)))
+        check_limits(Turn(req=0, session=0, messages=t.messages), limits)
+    except ProtocolError as e:
+        raise refusal(e) from None
+

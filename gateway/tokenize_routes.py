@@ -37,17 +37,17 @@ async def tokenize(request: Request) -> Response:
 
 
 def _token_ids(req: TokenizeRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
-    """The prompt's ids, or the conversation's as a chat request's prompt (within the server's limits on its text)."""
+    """The prompt's ids, or the conversation's as a cold chat request's prompt, within the server's limits."""
     if req.prompt is not None:
         check_prompt_text(req.prompt, limits)
         return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     t = translate(req.messages or [])
-    check_conversation(t, limits)
+    tools = tool_dicts(req.tools)
+    check_conversation(t, tools, limits)
     head = [Message("system", t.system)] if t.system else []
-    tools = tool_dicts(req.tools) or None  # as a chat request sends them
     try:
-        text = tokenizer.apply_chat_template([m.as_dict() for m in head + t.messages], tools,
-                                             req.add_generation_prompt)
+        text = tokenizer.apply_chat_template([m.as_dict() for m in head + t.messages], tools or None,
+                                             req.add_generation_prompt)  # tools as a chat request sends them
     except ChatTemplateError as e:
         raise bad_request(f"cannot render the conversation: {e}", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))  # unset (None): False, as vLLM

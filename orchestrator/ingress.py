@@ -192,7 +192,8 @@ class Ingress:
             self._reject(cid, ProtocolError(ErrorCode.INVALID_REQUEST, f"the request cannot be checked: {e}"))
             return None
         if isinstance(msg, Hello):
-            self.send(cid, msgspec.structs.replace(self.info, req=msg.req, version=PROTOCOL_VERSION))
+            self.send(cid, msgspec.structs.replace(self.info, req=msg.req, version=PROTOCOL_VERSION,
+                                                   limits=self.limits.as_dict()))  # the limits it enforces
             return None
         return cid, msg
 

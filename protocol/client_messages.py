@@ -210,7 +210,7 @@ class Welcome(WireStruct, tag="welcome"):
     pid: int = 0
     eos_token_ids: list[int] = []  # the ids that end a turn (a raw turn's session keeps its output without one)
     vocab_size: int = 0  # the model's vocabulary (its embedding rows, often padded past the tokenizer's)
-    limits: dict[str, int] = {}  # the server's request limits by name (protocol.limits.Limits; configs/limits.toml)
+    limits: dict[str, Any] = {}  # the request limits the ingress enforces, by name (protocol.limits.Limits)
 
 
 class SessionOpened(WireStruct, tag="opened"):

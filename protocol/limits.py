@@ -46,11 +46,12 @@ class Limits:
         return limits
 
     @classmethod
-    def announced(cls, values: dict[str, int]) -> Limits:
+    def announced(cls, values: dict[str, Any]) -> Limits:
         """The limits a server announced (``Welcome.limits``): the defaults for any it did not name; names this
-        code does not know (a newer server's) and values that are no bound are left out."""
+        code does not know and values that are no positive integer (a newer server's) are left out."""
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known and v > 0})
+        return cls(**{k: v for k, v in values.items()
+                      if k in known and isinstance(v, int) and not isinstance(v, bool) and v > 0})
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

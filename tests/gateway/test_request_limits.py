@@ -1,6 +1,7 @@
-"""The gateway checks the request limits the server announces (its ``configs/limits.toml``, with ``--config``
-overrides), not numbers of its own: one source for each bound, and text over ``max_text_bytes`` is refused before
-the gateway tokenises it (megabytes take seconds of a worker thread)."""
+"""Request limits over HTTP, with a server started on small ones (``up --config``): what a turn carries is checked by
+the orchestrator on what the turn sends (a continued conversation: its new messages or tokens), and what the gateway
+works on before any turn exists by the limits the server announced: a prompt's text before the gateway tokenises it
+(megabytes take seconds of a worker thread), a ``/tokenize`` conversation as a cold chat would send it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import httpx
 import pytest
 
 from agentserve.gateway.backend import Backend, GatewayOptions
-from agentserve.gateway.limits import check_prompt_text
+from agentserve.gateway.completions import prompt_ids
+from agentserve.gateway.errors import APIError
+from agentserve.gateway.schemas import CompletionRequest
 from agentserve.protocol.limits import Limits
 from tests.gateway.conftest import HttpServer
 
@@ -81,22 +84,65 @@ def test_the_gateway_refuses_past_the_limits_the_server_announced(http, path, bo
     ("/tokenize", {"messages": [{"role": "system", "content": "x" * 1024}, {"role": "user", "content": "y" * 2048}]}),
 ])
 def test_at_the_limits_a_request_is_served(http, path, body) -> None:
-    assert http.post(path, json=body).status_code == 200
+    assert http.post(path, json=body).status_code == 200, http.post(path, json=body).text
+
+
+def test_a_cold_chat_sends_its_system_prompt_apart_from_the_turns_messages(http) -> None:
+    body = {"messages": [{"role": "system", "content": "be brief"}, *[USER] * 3], "max_tokens": 1}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_a_continued_chat_is_bounded_by_the_messages_it_sends_not_its_history(http) -> None:
+    messages = [USER]
+    for _ in range(3):  # 1, 3, then 5 messages of history: each turn sends the reply's successor only
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        messages = [*messages, r.json()["choices"][0]["message"], USER]
+    assert len(messages) == 7
+
+
+def test_a_continued_completion_is_bounded_by_the_tokens_it_sends_not_its_history(http) -> None:
+    body = {"prompt": [5] * 3500, "max_tokens": 4, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    history = body["prompt"] + r.json()["choices"][0]["token_ids"] + [6] * 500  # 4,004 ids, 504 of them new
+    r = http.post("/v1/completions", json=body | {"prompt": history})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3500 // 16 * 16
+
+
+class Unreachable:
+    def encode(self, *args: object, **kwargs: object) -> list[int]:
+        raise AssertionError("tokenised a prompt over the text bound")
 
 
 def test_a_prompt_over_the_text_bound_is_refused_before_it_is_tokenised() -> None:
-    """A backend with no tokenizer at all: the refusal cannot have tokenised anything."""
-    limits = Limits(max_text_bytes=8)
-    check_prompt_text("12345678", limits)
-    with pytest.raises(Exception, match="limits.request.max_text_bytes") as e:
-        check_prompt_text("123456789", limits)
-    assert getattr(e.value, "status", None) == 400
+    backend = Backend(GatewayOptions(endpoint="ipc:///unused"))
+    backend.client, backend.welcome, backend.tokenizer = object(), object(), Unreachable()
+    backend.limits = Limits(max_text_bytes=8)
+    for prompt in ("123456789", ["123456789"]):
+        with pytest.raises(APIError) as e:
+            prompt_ids(CompletionRequest(prompt=prompt), backend)
+        assert (e.value.status, e.value.param, e.value.code) == (400, "prompt", "limit_exceeded")
+        assert "limits.request.max_text_bytes" in e.value.message
 
 
 def test_until_the_server_announces_its_limits_the_gateway_holds_the_defaults() -> None:
     assert Backend(GatewayOptions(endpoint="ipc:///unused")).limits == Limits()
     assert Limits.announced({}) == Limits()
     assert Limits.announced({"max_messages": 7, "a_limit_of_a_newer_server": 1}) == Limits(max_messages=7)
+    assert Limits.announced({"max_tools": True, "max_stop_strings": 2.5, "max_messages": 0}) == Limits()
+
+
+def test_a_welcome_with_limits_of_any_type_still_decodes() -> None:
+    """A newer server may announce a limit that is no integer: the handshake must not fail on it."""
+    import msgspec
+
+    from agentserve.protocol.client_messages import ClientCodec, Welcome
+
+    frame = msgspec.msgpack.encode(Welcome(1, 1, limits={"max_messages": 9, "max_turn_s": 1.5, "mode": "x"}))
+    welcome = ClientCodec().decode(frame)
+    assert Limits.announced(welcome.limits) == Limits(max_messages=9)
 
 
 def test_the_server_announces_its_request_limits(small_limits: HttpServer) -> None:
