@@ -98,20 +98,30 @@ def delta_object(delta: Delta) -> dict[str, Any]:
     return {"tool_calls": [call]}
 
 
-async def merged(runs: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, Delta | None]]:
-    """Every choice's deltas as they come; ``(run, None)`` once a choice is done."""
+Item = tuple[ChoiceRun, Delta | None, dict[str, Any] | None]
+
+
+async def with_logprobs(run: ChoiceRun) -> AsyncIterator[Item]:
+    """A choice's deltas, each with its ``logprobs`` taken as it is made (the text sent so far is the text up to
+    it: a delta that waits in :func:`merged`'s queue must not list the tokens of the text after it); then
+    ``(run, None, the rest)`` once the choice is done."""
+    async for delta in run.deltas():
+        yield run, delta, run.logprobs_object(final=False)
+    yield run, None, run.logprobs_object(final=True)
+
+
+async def merged(runs: list[ChoiceRun]) -> AsyncIterator[Item]:
+    """Every choice's :func:`with_logprobs` items as they come."""
     if len(runs) == 1:
-        async for delta in runs[0].deltas():
-            yield runs[0], delta
-        yield runs[0], None
+        async for item in with_logprobs(runs[0]):
+            yield item
         return
-    queue: asyncio.Queue[tuple[ChoiceRun, Delta | None] | BaseException] = asyncio.Queue()
+    queue: asyncio.Queue[Item | BaseException] = asyncio.Queue()
 
     async def pump(run: ChoiceRun) -> None:
         try:
-            async for delta in run.deltas():
-                queue.put_nowait((run, delta))
-            queue.put_nowait((run, None))
+            async for item in with_logprobs(run):
+                queue.put_nowait(item)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait(e)
 
@@ -144,10 +154,10 @@ async def stream(runs: list[ChoiceRun], plan: ChatPlan, head: dict[str, Any]) ->
     try:
         for run in runs:
             yield chunk(run.index, {"role": "assistant", "content": ""})
-        async for run, delta in merged(runs):
+        async for run, delta, logprobs in merged(runs):
             body = {} if delta is None else delta_object(delta)
             finish = run.finish_reason if delta is None else None
-            yield chunk(run.index, body, finish, run.logprobs_object(final=delta is None))
+            yield chunk(run.index, body, finish, logprobs)
         if plan.include_usage:
             usage = usage_object([r.done.usage for r in runs if r.done is not None])
             yield sse.event({**head, "choices": [], "usage": usage})

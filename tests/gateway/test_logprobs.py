@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from collections import defaultdict
 
 import pytest
 import torch
@@ -159,20 +161,36 @@ def joined(entries: list[dict]) -> str:
 
 def chat(http, body: dict, stream: bool) -> tuple[str, list[dict], int]:
     """The content, the ``logprobs.content`` entries (a stream's joined) and the completion tokens of a chat
-    reply; a stream's chunks each list only tokens that start in the content sent so far (the last one aside)."""
+    reply; a stream's chunks each list only tokens that start in the content sent so far (see :func:`streamed`)."""
     if not stream:
         reply = http.post("/v1/chat/completions", json=body).json()
         choice = reply["choices"][0]
         return choice["message"]["content"], choice["logprobs"]["content"], reply["usage"]["completion_tokens"]
-    content, entries, usage = "", [], 0
+    content, entries, usage = streamed(http, body)
+    return content[0], entries[0], usage
+
+
+def streamed(http, body: dict, pause: float = 0.0) -> tuple[dict[int, str], dict[int, list[dict]], int]:
+    """A streamed chat reply's content and ``logprobs.content`` entries by choice, and its completion tokens; each
+    chunk of a choice lists only tokens that start in that choice's content sent so far (its last one aside).
+    ``pause``: seconds to wait before each chunk is read, a slow client (the choices run ahead of it)."""
+    content: dict[int, str] = defaultdict(str)
+    entries: dict[int, list[dict]] = defaultdict(list)
+    usage = 0
     body = body | {"stream": True, "stream_options": {"include_usage": True}}
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        for event in (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")):
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            time.sleep(pause)
+            event = json.loads(line[6:])
             usage = (event.get("usage") or {}).get("completion_tokens", usage)
             for choice in event["choices"]:
-                content += choice["delta"].get("content") or ""
-                entries += (choice["logprobs"] or {}).get("content", [])
-                assert choice["finish_reason"] or all(o < len(content) for o in starts(entries)), (content, entries)
+                i = choice["index"]
+                content[i] += choice["delta"].get("content") or ""
+                entries[i] += (choice["logprobs"] or {}).get("content", [])
+                assert choice["finish_reason"] or all(o < len(content[i]) for o in starts(entries[i])), (
+                    i, content[i], entries[i])
     return content, entries, usage
 
 
@@ -196,6 +214,15 @@ def test_chat_logprobs_without_a_stop_list_every_token(http, stream: bool) -> No
     content, entries, completion_tokens = chat(http, CHAT, stream)
     assert len(entries) == completion_tokens == CHAT["max_tokens"]
     assert joined(entries) == content
+
+
+def test_streamed_choices_each_list_the_tokens_of_their_own_text_sent_so_far(http) -> None:
+    """n=2 read slowly: while a choice's deltas wait for the client, its turn runs on; each chunk still lists only
+    the tokens that start in that choice's content up to it (they listed those of text its later chunks sent)."""
+    content, entries, usage = streamed(http, CHAT | {"n": 2, "max_tokens": 32}, pause=0.01)
+    assert sorted(content) == [0, 1] and usage == 2 * 32
+    for i in content:
+        assert len(entries[i]) == 32 and joined(entries[i]) == content[i]
 
 
 @pytest.mark.parametrize("then", ['_call>\n{"name": "f", "arguments": {}}', "!"])
