@@ -204,8 +204,16 @@ def test_chat_logprobs_leave_out_the_tokens_a_stop_string_cut(http, stream: bool
     content, entries, _ = chat(http, CHAT | {"stop": [stop]}, stream)
     assert content == full[:full.find(stop)]
     kept = sum(o < len(content) for o in offsets)
-    assert entries == full_entries[:kept] and all(o < len(content) for o in starts(entries))
+    assert_same_entries(entries, full_entries[:kept])
+    assert all(o < len(content) for o in starts(entries))
     assert joined(entries).startswith(content)
+
+
+def assert_same_entries(got: list[dict], want: list[dict]) -> None:
+    """The same tokens; their logprobs equal up to float noise (the second request's prompt comes from the prefix
+    cache, whose steps add up in another order)."""
+    assert [(e["token"], e["bytes"]) for e in got] == [(e["token"], e["bytes"]) for e in want]
+    assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in want], abs=1e-4)
 
 
 @pytest.mark.parametrize("stream", [False, True])
