@@ -41,6 +41,12 @@ def _is_loopback(host: str) -> bool:
         return False  # an interface name or a hostname: treat as exposed
 
 
+def _host_port(endpoint: str) -> tuple[str, str]:
+    """``tcp://HOST:PORT`` split at its last colon (an IPv6 host keeps its own): ``("", "")`` if it has none."""
+    host, sep, port = endpoint[len(TCP_PREFIX) :].rpartition(":")
+    return (host, port) if sep else ("", "")
+
+
 def check_endpoint(endpoint: str) -> str:
     """Validate an endpoint's form, what a client may connect to: ``ipc://PATH`` (absolute path) or
     ``tcp://HOST:PORT``; return it."""
@@ -52,8 +58,8 @@ def check_endpoint(endpoint: str) -> str:
             raise EndpointError(f"ipc socket path too long for the OS (max ~100 bytes): {path}")
         return endpoint
     if endpoint.startswith(TCP_PREFIX):
-        host, sep, port = endpoint[len(TCP_PREFIX) :].rpartition(":")
-        if not sep or not (port == "*" or port.isdigit() and int(port) < 65536) or not host:
+        host, port = _host_port(endpoint)
+        if not (port == "*" or port.isdigit() and int(port) < 65536) or not host:
             raise EndpointError(f"tcp endpoint must be tcp://HOST:PORT (PORT 0-65535 or *), got {endpoint!r}")
         return endpoint
     raise EndpointError(f"endpoint must start with ipc:// or tcp://, got {endpoint!r}")
@@ -72,7 +78,7 @@ def check_bind(endpoint: str, *, allow_remote: bool = False) -> str:
         if not path.parent.is_dir():
             raise EndpointError(f"cannot bind {endpoint}: the folder {path.parent} does not exist (create it first)")
         return endpoint
-    host = endpoint[len(TCP_PREFIX) :].rpartition(":")[0]
+    host, _ = _host_port(endpoint)
     if not _is_loopback(host) and not allow_remote:
         raise EndpointError(
             f"refusing to bind {endpoint!r}: it is not a loopback address and the protocol has no "
