@@ -9,7 +9,11 @@ Conventions (those of ``vllm bench serve`` / SGLang ``bench_serving``):
 * SLO attainment = share of the requests sent (finished or failed) that finished with TTFT ≤ SLO and
   TPOT ≤ SLO (a one-token request has no TPOT and is judged on TTFT only; a failed one meets neither);
   goodput = the requests that met both per second of the run (DistServe); token throughput = output
-  tokens per second of the run.
+  tokens per second of the run.  Rates count the requests *sent* in the measured window, with all their tokens,
+  and divide by the window (from the end of the warm-up to the deadline), not by the time until the last of them
+  finished: that drain is a system's own slowest turns, and dividing by it lowered the slower system's rates
+  (tokens of turns sent before the window and finishing in it, left out, stand for those sent in it and
+  finishing after it).
 
 All times are seconds of one monotonic clock (``time.perf_counter``); reports convert to ms.
 """
@@ -81,20 +85,27 @@ class RunRecord:
     """Everything one benchmark run of one system recorded."""
 
     start: float
-    end: float
+    end: float  # the later of the deadline and the last token
     requests: list[RequestRecord] = field(default_factory=list)
     tasks: list[TaskRecord] = field(default_factory=list)
+    window_s: float | None = None  # the seconds measured: from start to the deadline (None: to the end)
 
     @property
     def elapsed(self) -> float:
         return self.end - self.start
 
+    @property
+    def measured_s(self) -> float:
+        """What rates divide by: the window asked for, never the drain after it."""
+        return self.elapsed if self.window_s is None else self.window_s
+
 
 def after_warmup(run: RunRecord, warmup_s: float) -> RunRecord:
     """The part of ``run`` measured after ``warmup_s``: requests and tasks that *started* later."""
     start = run.start + warmup_s
+    window = None if run.window_s is None else max(0.0, run.window_s - warmup_s)
     return RunRecord(start, max(run.end, start), [r for r in run.requests if r.sent >= start],
-                     [t for t in run.tasks if t.start >= start])
+                     [t for t in run.tasks if t.start >= start], window)
 
 
 def pool(runs: list[RunRecord]) -> RunRecord:
@@ -102,7 +113,7 @@ def pool(runs: list[RunRecord]) -> RunRecord:
     previous one ended, so rates divide by the summed run time and percentiles cover every request."""
     if not runs:
         raise ValueError("nothing to pool")
-    out = RunRecord(runs[0].start, runs[0].start)
+    out = RunRecord(runs[0].start, runs[0].start, window_s=0.0)
     for run in runs:
         shift = out.end - run.start
         out.requests += [replace(r, sent=r.sent + shift, chunks=[(t + shift, n) for t, n in r.chunks])
@@ -110,6 +121,7 @@ def pool(runs: list[RunRecord]) -> RunRecord:
         out.tasks += [replace(t, start=t.start + shift, end=None if t.end is None else t.end + shift)
                       for t in run.tasks]
         out.end += run.elapsed
+        out.window_s += run.measured_s
     return out
 
 
@@ -142,7 +154,7 @@ def aggregate(run: RunRecord, slo: SLO) -> dict:
     """The figures of one run (latencies in ms, task times in s, rates per second)."""
     done = [r for r in run.requests if r.ok]
     ms = 1000.0
-    elapsed = max(run.elapsed, 1e-9)
+    measured = max(run.measured_s, 1e-9)
     good = sum(slo.met(r) for r in done)
     tpots = [r.tpot for r in done if r.tpot is not None]
     failed = len(run.requests) - len(done)  # each a miss of both SLOs
@@ -150,6 +162,7 @@ def aggregate(run: RunRecord, slo: SLO) -> dict:
         "requests": len(done),
         "errors": failed,
         "elapsed_s": run.elapsed,
+        "measured_s": run.measured_s,
         "ttft": summary([r.ttft for r in done], ms),
         "ttft_cold": summary([r.ttft for r in done if r.kind == "cold"], ms),
         "ttft_resume": summary([r.ttft for r in done if r.kind == "resume"], ms),
@@ -159,10 +172,10 @@ def aggregate(run: RunRecord, slo: SLO) -> dict:
         "task_time_s": summary([t.duration for t in run.tasks if t.duration is not None]),
         "tasks_completed": sum(t.end is not None for t in run.tasks),
         "output_tokens": sum(r.n_tokens for r in done),
-        "throughput_tok_s": sum(r.n_tokens for r in done) / elapsed,
-        "request_throughput": len(done) / elapsed,
+        "throughput_tok_s": sum(r.n_tokens for r in done) / measured,
+        "request_throughput": len(done) / measured,
         "slo_attainment": _share(good, len(run.requests)),
         "ttft_slo_attainment": _share(sum(r.ttft <= slo.ttft_s for r in done), len(run.requests)),
         "tpot_slo_attainment": _share(sum(t <= slo.tpot_s for t in tpots), len(tpots) + failed),
-        "goodput": good / elapsed,
+        "goodput": good / measured,
     }

@@ -71,7 +71,7 @@ async def run_closed_loop(
     """Drive ``workload.spec.agents`` agents for ``duration_s`` seconds; returns every timeline."""
     start = time.perf_counter()
     deadline = start + duration_s
-    run = RunRecord(start=start, end=start)
+    run = RunRecord(start=start, end=start, window_s=duration_s)
 
     async def agent(i: int) -> None:
         await asyncio.sleep(workload.start_offset(i))
@@ -84,5 +84,5 @@ async def run_closed_loop(
             index += 1
 
     await asyncio.gather(*(agent(i) for i in range(workload.spec.agents)))
-    run.end = max(time.perf_counter(), deadline)  # a run its agents left early (errors) still spans its window:
-    return run  # its rates are per second of the run asked for, not of the part that worked
+    run.end = max(time.perf_counter(), deadline)  # rates divide by window_s: a run its agents left early
+    return run  # (errors) still spans its window, and one whose last turns drain past it no more than that

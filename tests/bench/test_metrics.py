@@ -116,6 +116,22 @@ def test_after_warmup_keeps_what_started_in_the_measured_window():
     assert aggregate(run, SLO())["throughput_tok_s"] == pytest.approx(3 / 8)
 
 
+def test_rates_divide_by_the_window_asked_for_not_the_drain_after_it():
+    """Two systems with the same tokens sent in a 10 s window (2 s of it warm-up): the one whose last turn drains
+    5 s past the deadline has the same throughput and goodput, not a third less; repeats pool their windows."""
+    def run(drain: float) -> RunRecord:
+        reqs = [_req(1.0, [(1.5, 4)]), _req(3.0, [(3.5, 4)]), _req(9.9, [(9.95, 1), (9.9 + drain, 7)])]
+        return RunRecord(0.0, max(10.0, 9.9 + drain), reqs, window_s=10.0)
+
+    prompt, slow = (aggregate(after_warmup(run(d), 2.0), SLO(ttft_s=9.0, tpot_s=1.0)) for d in (0.1, 5.0))
+    assert prompt["throughput_tok_s"] == slow["throughput_tok_s"] == pytest.approx(12 / 8)
+    assert prompt["goodput"] == slow["goodput"] == pytest.approx(2 / 8)
+    assert slow["elapsed_s"] == pytest.approx(12.9) and slow["measured_s"] == pytest.approx(8.0)
+    pooled = pool([after_warmup(run(0.1), 2.0), after_warmup(run(5.0), 2.0)])
+    assert pooled.measured_s == pytest.approx(16.0)
+    assert aggregate(pooled, SLO())["throughput_tok_s"] == pytest.approx(24 / 16)
+
+
 def test_pooled_runs_lie_end_to_end_and_aggregate_over_every_request():
     # run 1: 10 s from t=100, 2 requests of 3 tokens; run 2: 5 s from t=500, 1 request of 5 tokens
     a = RunRecord(100.0, 110.0, [_req(101.0, [(101.5, 1), (101.7, 2)]), _req(105.0, [(105.1, 3)])],
