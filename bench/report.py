@@ -25,6 +25,7 @@ FIGURES: list[tuple[str, tuple[str, ...], str]] = [
     ("TTFT p50", ("ttft", "p50"), "ms"),
     ("TTFT p95", ("ttft", "p95"), "ms"),
     ("TTFT p99", ("ttft", "p99"), "ms"),
+    ("TTFT cold p50", ("ttft_cold", "p50"), "ms"),
     ("TTFT cold p95", ("ttft_cold", "p95"), "ms"),
     ("TTFT resume p50", ("ttft_resume", "p50"), "ms"),
     ("TTFT resume p95", ("ttft_resume", "p95"), "ms"),

@@ -59,6 +59,8 @@ def test_json_and_table_from_real_aggregates(tmp_path):
     report.print_table(rep, console)
     text = console.export_text()
     assert "TPOT p95" in text and "fcfs" in text and "(1.00×)" in text
+    for row in ("TTFT cold p50", "TTFT cold p95", "TTFT resume p50", "TTFT resume p95"):  # the acceptance figures
+        assert row in text
     # throughput: 6 tokens in 2 s
     assert "3 tok/s" in text
 
