@@ -161,6 +161,7 @@ def aggregate(run: RunRecord, slo: SLO) -> dict:
     return {
         "requests": len(done),
         "errors": failed,
+        "short_replies": sum(r.n_tokens < r.max_tokens for r in done),  # every driver asks ignore_eos
         "elapsed_s": run.elapsed,
         "measured_s": run.measured_s,
         "ttft": summary([r.ttft for r in done], ms),

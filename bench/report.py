@@ -112,8 +112,15 @@ def table(report: dict[str, Any]) -> Table:
             for name, figs in report["policies"].items()
         ]
         t.add_row(label, *cells)
-    t.add_row("requests / errors", *[f"{f['requests']} / {f['errors']}" for f in report["policies"].values()])
+    t.add_row("requests / errors", *[requests_cell(f) for f in report["policies"].values()])
     return t
+
+
+def requests_cell(figures: dict[str, Any]) -> str:
+    """``requests / errors``, and the replies that stopped short of ``max_tokens`` if any: every turn asks for
+    ``ignore_eos``, so a system with short replies did less work than the others and its figures do not compare."""
+    short = figures.get("short_replies", 0)
+    return f"{figures['requests']} / {figures['errors']}" + (f" ({short} short)" if short else "")
 
 
 def print_table(report: dict[str, Any], console: Console | None = None) -> None:

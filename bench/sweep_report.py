@@ -60,6 +60,7 @@ PER_POINT = ("agents", "failed", "per_repeat_ratios")
 def _row_figures(figures: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {h.key: reporting.get(figures, h.path) for h in HEADLINE}
     out["requests"], out["errors"] = figures.get("requests", 0), figures.get("errors", 0)
+    out["short_replies"] = figures.get("short_replies", 0)
     ratios = {}
     for h in HEADLINE:
         a, b = out[h.key], reporting.get(reference, h.path)
@@ -137,7 +138,7 @@ def headline_table(sweep_row: dict[str, Any], reference: str, slo: dict[str, Any
                 text += f" [dim]({fmt_ratio(figs['ratios'][key])})[/dim]"
             cells.append(text)
         t.add_row(BY_KEY[key].label, *cells)
-    t.add_row("requests / errors", *[f"{f['requests']} / {f['errors']}" for f in sweep_row["systems"].values()])
+    t.add_row("requests / errors", *[reporting.requests_cell(f) for f in sweep_row["systems"].values()])
     return t
 
 
@@ -153,7 +154,7 @@ def markdown_table(sweep_row: dict[str, Any], reference: str) -> str:
             if name != own and figs["ratios"][key] is not None:
                 text += f" ({fmt_ratio(figs['ratios'][key])})"
             cells.append(text)
-        cells.append(f"{figs['requests']} / {figs['errors']}")
+        cells.append(reporting.requests_cell(figs))
         lines.append("| " + " | ".join(cells) + " |")
     note = "" if own == reference else f"\n\n{reference} failed at this count: ratios here are system / {own}."
     return "\n".join(lines) + note

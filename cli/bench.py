@@ -143,15 +143,19 @@ def _finish(console: Console, runs: sweep.SweepRuns, counts: list[int], base_met
 
 
 def _check_errors(out: dict[str, Any], runs: sweep.SweepRuns) -> None:
-    errors = {}
+    errors, short = {}, {}
     for point in sweep_report.as_sweep(out)["points"]:
         for name, f in point["policies"].items():
             if f["errors"] or not f["requests"]:
                 errors[f"{name} @ {point['meta']['agents']}"] = f["errors"]
-    if runs.failed or errors:
+            if f.get("short_replies"):
+                short[f"{name} @ {point['meta']['agents']}"] = f["short_replies"]
+    if runs.failed or errors or short:
         failed = {n: names for n, names in runs.failed.items()} or "none"
         raise click.ClickException(f"systems that failed (agents: systems): {failed}; "
-                                   f"systems with request errors: {errors or 'none'}")
+                                   f"systems with request errors: {errors or 'none'}; systems whose replies stopped "
+                                   f"short of max_tokens (ignore_eos not honoured: less work, figures not "
+                                   f"comparable): {short or 'none'}")
 
 
 @click.command("bench")

@@ -27,7 +27,7 @@ class FakeSession:
         if self.driver.fail_after is not None and self.driver.turns >= self.driver.fail_after:
             raise ConnectionError("server gone")
         self.driver.turns += 1
-        for k in range(max_tokens):
+        for k in range(max(1, max_tokens - self.driver.short_by)):
             await asyncio.sleep(self.driver.token_s)
             self.history.append(1000 + k)
             yield [1000 + k], time.perf_counter()
@@ -39,9 +39,10 @@ class FakeSession:
 class FakeDriver:
     name = "fake"
 
-    def __init__(self, token_s: float = 0.001, fail_after: int | None = None) -> None:
+    def __init__(self, token_s: float = 0.001, fail_after: int | None = None, short_by: int = 0) -> None:
         self.token_s = token_s
         self.fail_after = fail_after
+        self.short_by = short_by  # tokens left out of each reply (a server that ignores ignore_eos)
         self.turns = 0
         self.opened = 0
         self.closed = 0

@@ -191,3 +191,22 @@ def test_a_kept_log_is_the_servers_whole_output_after_it_stopped(tmp_path):
     again.write_text("a later server")
     assert servers.keep(again, keep) == keep.with_name("x-2.log"), "an earlier log is never overwritten"
     assert keep.read_text().split()[0] == "ready" and keep.with_name("x-2.log").read_text() == "a later server"
+
+
+def test_a_system_whose_replies_stop_short_fails_the_command(tmp_path, monkeypatch):
+    """Every turn asks for ignore_eos: a system that stops early did less work, so its figures do not compare."""
+    def launcher(name, spec, *args, **kwargs):
+        @contextlib.contextmanager
+        def target():
+            yield servers.Target(name, lambda: FakeDriver(token_s=0.0005, short_by=1 if name == "fcfs" else 0))
+        return target()
+
+    monkeypatch.setattr(runner, "launcher", lambda *a, **k: launcher)
+    out = tmp_path / "s.json"
+    result = CliRunner().invoke(bench, ["--policies", "agentserve,fcfs", "--duration", "0.3", "--agents", "1",
+                                        "--tool-latency-median", "0.02", "--steps", "2", "--json", str(out)])
+    assert result.exit_code != 0 and "stopped short" in result.output and "fcfs @ 1" in result.output
+    policies = json.loads(out.read_text())["policies"]
+    assert policies["fcfs"]["short_replies"] == policies["fcfs"]["requests"] > 0
+    assert policies["agentserve"]["short_replies"] == 0
+    assert "short)" in result.output
