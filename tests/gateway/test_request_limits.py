@@ -16,7 +16,8 @@ from agentserve.gateway.completions import prompt_ids
 from agentserve.gateway.errors import APIError
 from agentserve.gateway.schemas import CompletionRequest
 from agentserve.protocol.limits import Limits
-from tests.gateway.conftest import HttpServer
+
+from .conftest import HttpServer
 
 LIMITS = """
 [request]
