@@ -11,9 +11,9 @@ Conventions (those of ``vllm bench serve`` / SGLang ``bench_serving``):
   goodput = the requests that met both per second of the run (DistServe); token throughput = output
   tokens per second of the run.  Rates count the requests *sent* in the measured window, with all their tokens,
   and divide by the window (from the end of the warm-up to the deadline), not by the time until the last of them
-  finished: that drain is a system's own slowest turns, and dividing by it lowered the slower system's rates
-  (tokens of turns sent before the window and finishing in it, left out, stand for those sent in it and
-  finishing after it).
+  finished: that drain is a system's own slowest turns, and dividing by it lowered the slower system's rates.
+  With a warm-up, the turns sent before the window and finishing in it (left out) offset those sent in it and
+  finishing after it; without one nothing offsets them: about one turn per agent too many, for every system.
 
 All times are seconds of one monotonic clock (``time.perf_counter``); reports convert to ms.
 """

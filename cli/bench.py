@@ -154,8 +154,8 @@ def _check_errors(out: dict[str, Any], runs: sweep.SweepRuns) -> None:
         failed = {n: names for n, names in runs.failed.items()} or "none"
         raise click.ClickException(f"systems that failed (agents: systems): {failed}; "
                                    f"systems with request errors: {errors or 'none'}; systems whose replies stopped "
-                                   f"short of max_tokens (ignore_eos not honoured: less work, figures not "
-                                   f"comparable): {short or 'none'}")
+                                   f"short of max_tokens (ignore_eos ignored, a context too small, or several tokens "
+                                   f"a chunk without usage: figures not comparable): {short or 'none'}")
 
 
 @click.command("bench")

@@ -148,7 +148,8 @@ async def completions(request: Request) -> Response:
         raise bad_request("this server supports n=1 and no echo on /v1/completions")
     options = sampling_options(req, 16 if req.max_tokens is None else req.max_tokens, backend)
     options |= completion_options(req.logprobs)
-    ids = await backend.tokenizing.run(len(body), lambda: prompt_ids(req, backend))
+    text = isinstance(req.prompt, str) or any(isinstance(p, str) for p in req.prompt[:1])
+    ids = await backend.tokenizing.run(len(body) if text else 0, lambda: prompt_ids(req, backend))  # ids: no work
     run = CompletionRun(backend, ids, options)
     await unless_disconnected(request, run.start(), [run])  # queued or prefilling: a client may give up
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
