@@ -67,6 +67,11 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, type="server_error", code="unavailable")
 
 
+def busy(message: str) -> APIError:
+    """A bounded backlog is full for now: the OpenAI SDKs retry a 503."""
+    return APIError(503, message, type="server_error", code="busy")
+
+
 # client error class → (HTTP status, OpenAI error type)
 _STATUS: list[tuple[type[AgentServeError], int, str]] = [
     (PromptTooLong, 400, "invalid_request_error"),

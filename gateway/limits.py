@@ -11,7 +11,8 @@ from typing import Any
 
 import msgspec
 
-from agentserve.gateway.errors import APIError, bad_request
+from agentserve.client.errors import from_event
+from agentserve.gateway.errors import APIError, from_client_error
 from agentserve.gateway.messages import Translated
 from agentserve.protocol.client_messages import ErrorCode, OpenSession, ProtocolError, Turn
 from agentserve.protocol.limits import Limits, check_limits, limit_text
@@ -19,7 +20,7 @@ from agentserve.protocol.limits import Limits, check_limits, limit_text
 
 def refusal(error: ProtocolError) -> APIError:
     """The 400 for a request the server's limits refuse, as the orchestrator's refusal reaches an HTTP client."""
-    return bad_request(str(error), param=error.param or None, code=error.code.value)
+    return from_client_error(from_event(error.to_event()))
 
 
 def check_prompt_text(text: str, limits: Limits) -> None:
@@ -28,7 +29,7 @@ def check_prompt_text(text: str, limits: Limits) -> None:
     size = len(text.encode())
     if size > limits.max_text_bytes:
         what = limit_text("max_text_bytes", size, limits.max_text_bytes, "prompt text bytes")
-        raise bad_request(what, param="prompt", code=ErrorCode.LIMIT_EXCEEDED.value)
+        raise refusal(ProtocolError(ErrorCode.LIMIT_EXCEEDED, what, param="prompt"))
 
 
 def check_conversation(t: Translated, tools: list[dict[str, Any]], limits: Limits) -> None:

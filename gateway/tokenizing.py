@@ -15,13 +15,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from agentserve.gateway.errors import APIError
+from agentserve.gateway.errors import busy
 
 T = TypeVar("T")
-
-
-def busy(message: str) -> APIError:
-    return APIError(503, message, type="server_error", code="busy")
 
 
 class TokenizingLanes:
