@@ -9,11 +9,11 @@ Conventions (those of ``vllm bench serve`` / SGLang ``bench_serving``):
 * SLO attainment = share of the requests sent (finished or failed) that finished with TTFT ≤ SLO and
   TPOT ≤ SLO (a one-token request has no TPOT and is judged on TTFT only; a failed one meets neither);
   goodput = the requests that met both per second of the run (DistServe); token throughput = output
-  tokens per second of the run.  Rates count the requests *sent* in the measured window, with all their tokens,
-  and divide by the window (from the end of the warm-up to the deadline), not by the time until the last of them
-  finished: that drain is a system's own slowest turns, and dividing by it lowered the slower system's rates.
-  With a warm-up, the turns sent before the window and finishing in it (left out) offset those sent in it and
-  finishing after it; without one nothing offsets them: about one turn per agent too many, for every system.
+  tokens per second of the run.  Rates count what happened *in* the measured window (from the end of the warm-up
+  to the deadline) and divide by it: the output tokens whose chunks arrived in it, the requests that finished in
+  it (whenever sent).  So they are exact with or without a warm-up: a turn in flight at either edge counts for
+  the part of it inside, and the drain after the deadline (a system's own slowest turns) counts nowhere.
+  Latencies and SLO attainment are of the requests *sent* in the window.
 
 All times are seconds of one monotonic clock (``time.perf_counter``); reports convert to ms.
 """
@@ -89,6 +89,8 @@ class RunRecord:
     requests: list[RequestRecord] = field(default_factory=list)
     tasks: list[TaskRecord] = field(default_factory=list)
     window_s: float | None = None  # the seconds measured: from start to the deadline (None: to the end)
+    earlier: list[RequestRecord] = field(default_factory=list)  # sent before start: only their tokens in it count
+    parts: list[RunRecord] = field(default_factory=list)  # pooled: the runs it pools, as they were (for rates)
 
     @property
     def elapsed(self) -> float:
@@ -101,11 +103,15 @@ class RunRecord:
 
 
 def after_warmup(run: RunRecord, warmup_s: float) -> RunRecord:
-    """The part of ``run`` measured after ``warmup_s``: requests and tasks that *started* later."""
+    """The part of ``run`` measured after ``warmup_s``: requests and tasks that *started* later (the requests
+    sent before stay in ``earlier``, for the tokens they streamed after it)."""
+    if run.parts:
+        raise ValueError("a warm-up is cut off each run before pooling")
     start = run.start + warmup_s
     window = None if run.window_s is None else max(0.0, run.window_s - warmup_s)
     return RunRecord(start, max(run.end, start), [r for r in run.requests if r.sent >= start],
-                     [t for t in run.tasks if t.start >= start], window)
+                     [t for t in run.tasks if t.start >= start], window,
+                     run.earlier + [r for r in run.requests if r.sent < start])
 
 
 def pool(runs: list[RunRecord]) -> RunRecord:
@@ -113,7 +119,7 @@ def pool(runs: list[RunRecord]) -> RunRecord:
     previous one ended, so rates divide by the summed run time and percentiles cover every request."""
     if not runs:
         raise ValueError("nothing to pool")
-    out = RunRecord(runs[0].start, runs[0].start, window_s=0.0)
+    out = RunRecord(runs[0].start, runs[0].start, window_s=0.0, parts=list(runs))
     for run in runs:
         shift = out.end - run.start
         out.requests += [replace(r, sent=r.sent + shift, chunks=[(t + shift, n) for t, n in r.chunks])
@@ -123,6 +129,18 @@ def pool(runs: list[RunRecord]) -> RunRecord:
         out.end += run.elapsed
         out.window_s += run.measured_s
     return out
+
+
+def in_window(run: RunRecord) -> tuple[int, list[RequestRecord]]:
+    """The output tokens whose chunks arrived in the measured window (ends included), and the replies that
+    finished in it, whenever sent; of a pooled record, those of every run it pools, each in its own window."""
+    if run.parts:
+        each = [in_window(part) for part in run.parts]
+        return sum(tokens for tokens, _ in each), [r for _, finished in each for r in finished]
+    start, stop = run.start, run.start + run.measured_s
+    streamed = [r for r in run.earlier + run.requests if r.ok]
+    tokens = sum(n for r in streamed for t, n in r.chunks if start <= t <= stop)
+    return tokens, [r for r in streamed if start <= r.chunks[-1][0] <= stop]
 
 
 @dataclass(frozen=True)
@@ -156,6 +174,7 @@ def aggregate(run: RunRecord, slo: SLO) -> dict:
     ms = 1000.0
     measured = max(run.measured_s, 1e-9)
     good = sum(slo.met(r) for r in done)
+    window_tokens, finished = in_window(run)
     tpots = [r.tpot for r in done if r.tpot is not None]
     failed = len(run.requests) - len(done)  # each a miss of both SLOs
     return {
@@ -172,11 +191,11 @@ def aggregate(run: RunRecord, slo: SLO) -> dict:
         "e2e": summary([r.e2e for r in done], ms),
         "task_time_s": summary([t.duration for t in run.tasks if t.duration is not None]),
         "tasks_completed": sum(t.end is not None for t in run.tasks),
-        "output_tokens": sum(r.n_tokens for r in done),
-        "throughput_tok_s": sum(r.n_tokens for r in done) / measured,
-        "request_throughput": len(done) / measured,
+        "output_tokens": window_tokens,
+        "throughput_tok_s": window_tokens / measured,
+        "request_throughput": len(finished) / measured,
         "slo_attainment": _share(good, len(run.requests)),
         "ttft_slo_attainment": _share(sum(r.ttft <= slo.ttft_s for r in done), len(run.requests)),
         "tpot_slo_attainment": _share(sum(t <= slo.tpot_s for t in tpots), len(tpots) + failed),
-        "goodput": good / measured,
+        "goodput": sum(slo.met(r) for r in finished) / measured,
     }

@@ -112,24 +112,42 @@ def test_after_warmup_keeps_what_started_in_the_measured_window():
     assert (run.start, run.end) == (2.0, 10.0)
     assert [r.sent for r in run.requests] == [3.0, 6.0]
     assert [t.task for t in run.tasks] == [1]
-    # throughput over the 8 s window: 3 tokens
-    assert aggregate(run, SLO())["throughput_tok_s"] == pytest.approx(3 / 8)
+    assert [r.sent for r in run.earlier] == [1.0]
+    # throughput over the 8 s window: the 4 tokens that arrived in it, one of a request sent in the warm-up
+    m = aggregate(run, SLO())
+    assert m["throughput_tok_s"] == pytest.approx(4 / 8) and m["output_tokens"] == 4
+    assert m["requests"] == 2 and m["request_throughput"] == pytest.approx(3 / 8)  # finished in it: all three
 
 
 def test_rates_divide_by_the_window_asked_for_not_the_drain_after_it():
-    """Two systems with the same tokens sent in a 10 s window (2 s of it warm-up): the one whose last turn drains
-    5 s past the deadline has the same throughput and goodput, not a third less; repeats pool their windows."""
+    """Two systems in a 10 s window (2 s of it warm-up) whose last turn starts at 9.9 s: the one that finishes it
+    5 s past the deadline counts only the token it streamed in the window and divides by the window, not by the
+    12.9 s until its last token; repeats pool their windows."""
     def run(drain: float) -> RunRecord:
         reqs = [_req(1.0, [(1.5, 4)]), _req(3.0, [(3.5, 4)]), _req(9.9, [(9.95, 1), (9.9 + drain, 7)])]
         return RunRecord(0.0, max(10.0, 9.9 + drain), reqs, window_s=10.0)
 
     prompt, slow = (aggregate(after_warmup(run(d), 2.0), SLO(ttft_s=9.0, tpot_s=1.0)) for d in (0.1, 5.0))
-    assert prompt["throughput_tok_s"] == slow["throughput_tok_s"] == pytest.approx(12 / 8)
-    assert prompt["goodput"] == slow["goodput"] == pytest.approx(2 / 8)
+    assert prompt["throughput_tok_s"] == pytest.approx(12 / 8) and slow["throughput_tok_s"] == pytest.approx(5 / 8)
+    assert prompt["goodput"] == pytest.approx(2 / 8) and slow["goodput"] == pytest.approx(1 / 8)
+    assert prompt["slo_attainment"] == slow["slo_attainment"] == 1.0  # both turns sent in the window met both
     assert slow["elapsed_s"] == pytest.approx(12.9) and slow["measured_s"] == pytest.approx(8.0)
     pooled = pool([after_warmup(run(0.1), 2.0), after_warmup(run(5.0), 2.0)])
     assert pooled.measured_s == pytest.approx(16.0)
-    assert aggregate(pooled, SLO())["throughput_tok_s"] == pytest.approx(24 / 16)
+    assert aggregate(pooled, SLO())["throughput_tok_s"] == pytest.approx(17 / 16)
+    with pytest.raises(ValueError):
+        after_warmup(pooled, 1.0)
+
+
+def test_rates_are_exact_without_a_warm_up():
+    """Closed loop, one agent, turns of 4 tokens back to back, one a second, over a 9.5 s window: the last is in
+    flight at the deadline and counts only the 2 tokens it streamed before it, so the token rate is the steady
+    4 a second (counting the 10 turns sent in the window with all their tokens gave 40 / 9.5 = 4.2)."""
+    reqs = [_req(float(i), [(i + 0.5, 2), (i + 1.0, 2)]) for i in range(10)]
+    m = aggregate(RunRecord(0.0, 10.0, reqs, window_s=9.5), SLO(ttft_s=1.0, tpot_s=1.0))
+    assert m["throughput_tok_s"] == pytest.approx(4.0) and m["output_tokens"] == 38
+    assert m["request_throughput"] == pytest.approx(9 / 9.5) and m["goodput"] == pytest.approx(9 / 9.5)
+    assert m["requests"] == 10  # the latencies: of every turn sent in the window
 
 
 def test_pooled_runs_lie_end_to_end_and_aggregate_over_every_request():
