@@ -1,11 +1,12 @@
 """An agent-count sweep: every system at every agent count, a fresh server for each run.
 
 The order is fixed and part of the contract (tests check it): agent counts in the order given; at each
-count, repeat 0 of every system, then repeat 1 of every system, ... (A B A B, as a single-count run);
-repeat ``i`` uses workload seed ``seed + i`` at every count, so agent ``k``'s script at 4 agents is the
-one it had at 2. A system that fails (its server does not start, or the run raises) is skipped for the
-rest of that count and its runs there are dropped, so each system kept at a count has one run per
-repeat; it is tried again at the next count.
+count, repeat 0 of every system, then repeat 1 of every system, ..., each repeat starting one system further
+along the list (A B, B A, A B, ...: no system always runs first on a machine that just sat idle, nor always
+right after another's server); repeat ``i`` uses workload seed ``seed + i`` at every count, so agent ``k``'s
+script at 4 agents is the one it had at 2. A system that fails (its server does not start, or the run raises)
+is skipped for the rest of that count and its runs there are dropped, so each system kept at a count has one
+run per repeat; it is tried again at the next count.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def plan(agent_counts: list[int], systems: list[str], repeats: int, seed: int) -
     slots = []
     for n in agent_counts:
         for rep in range(repeats):
-            for name in systems:
+            turn = rep % len(systems)
+            for name in systems[turn:] + systems[:turn]:
                 slots.append(RunSlot(len(slots), n, rep, name, seed + rep))
     return slots
 

@@ -170,7 +170,7 @@ def _check_errors(out: dict[str, Any], runs: sweep.SweepRuns) -> None:
 @click.option("--warmup", type=float, default=0.0, show_default=True,
               help="seconds run before the measured window (its requests are not counted)")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
-              help="run every system this many times per agent count, interleaved (A B A B ...), seed + i "
+              help="run every system this many times per agent count, interleaved (A B, B A, ...), seed + i "
                    "in repeat i; figures pool all requests, the JSON also lists each repeat's ratios")
 @click.option("--model", default="bench", show_default=True, help="built-in model or checkpoint folder")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the report")

@@ -23,10 +23,12 @@ def test_agent_counts_parse_in_order_and_reject_nonsense():
 def test_plan_interleaves_systems_within_each_count_and_seeds_each_repeat():
     slots = sweep.plan([1, 3], ["agentserve", "fcfs"], repeats=2, seed=7)
     assert [(s.agents, s.repeat, s.system, s.seed) for s in slots] == [
-        (1, 0, "agentserve", 7), (1, 0, "fcfs", 7), (1, 1, "agentserve", 8), (1, 1, "fcfs", 8),
-        (3, 0, "agentserve", 7), (3, 0, "fcfs", 7), (3, 1, "agentserve", 8), (3, 1, "fcfs", 8),
+        (1, 0, "agentserve", 7), (1, 0, "fcfs", 7), (1, 1, "fcfs", 8), (1, 1, "agentserve", 8),
+        (3, 0, "agentserve", 7), (3, 0, "fcfs", 7), (3, 1, "fcfs", 8), (3, 1, "agentserve", 8),
     ]
     assert [s.index for s in slots] == list(range(8))
+    three = sweep.plan([2], ["a", "b", "c"], repeats=4, seed=0)
+    assert "".join(s.system for s in three) == "abc" "bca" "cab" "abc"  # each system first in turn
     with pytest.raises(ValueError):
         sweep.plan([1], [], 1, 0)
     with pytest.raises(ValueError):
@@ -53,7 +55,7 @@ def test_every_run_gets_a_fresh_server_with_its_points_agent_count_and_seed():
     assert [(t, n, seed) for t, n, seed, _ in seen] == [(s.system, s.agents, s.seed) for s in slots]
     assert events == [(kind, i) for i in range(8) for kind in ("start", "ran")]
     # one run per repeat, in repeat order
-    assert [r.elapsed for r in out.at(4)["fcfs"]] == [1.0 + 5, 1.0 + 7]
+    assert [r.elapsed for r in out.at(4)["fcfs"]] == [1.0 + 5, 1.0 + 6]  # repeat 1 runs fcfs first
     assert out.failed == {} and set(out.runs) == {2, 4}
 
 
