@@ -39,7 +39,9 @@ HEADLINE: list[Headline] = [
     Headline("tpot_slo_attainment", "TPOT SLO attainment", ("tpot_slo_attainment",), "%", "higher"),
     Headline("goodput", "goodput", ("goodput",), "req/s", "higher"),
     Headline("ttft_p95", "TTFT p95", ("ttft", "p95"), "ms", "lower"),
+    Headline("ttft_cold_p50", "TTFT cold p50", ("ttft_cold", "p50"), "ms", "lower"),
     Headline("ttft_cold_p95", "TTFT cold p95", ("ttft_cold", "p95"), "ms", "lower"),
+    Headline("ttft_resume_p50", "TTFT resume p50", ("ttft_resume", "p50"), "ms", "lower"),
     Headline("ttft_resume_p95", "TTFT resume p95", ("ttft_resume", "p95"), "ms", "lower"),
     Headline("tpot_p50", "TPOT p50", ("tpot", "p50"), "ms", "lower"),
     Headline("tpot_p95", "TPOT p95", ("tpot", "p95"), "ms", "lower"),
@@ -49,8 +51,8 @@ HEADLINE: list[Headline] = [
 ]
 BY_KEY = {h.key: h for h in HEADLINE}
 # the columns of the per-count tables (terminal and markdown)
-TABLE_KEYS = ("slo_attainment", "ttft_slo_attainment", "tpot_slo_attainment", "goodput", "ttft_cold_p95",
-              "ttft_resume_p95", "tpot_p95", "throughput_tok_s")
+TABLE_KEYS = ("slo_attainment", "ttft_slo_attainment", "tpot_slo_attainment", "goodput", "ttft_cold_p50",
+              "ttft_cold_p95", "ttft_resume_p50", "ttft_resume_p95", "tpot_p95", "throughput_tok_s")
 
 
 # meta keys that belong to one agent count, kept in its point, not in the sweep's meta

@@ -106,7 +106,8 @@ def test_a_sweep_writes_a_row_per_agent_count_and_both_figures(tmp_path):
     for row in data["rows"]:
         figs = row["systems"]["target"]
         for key in ("slo_attainment", "ttft_slo_attainment", "tpot_slo_attainment", "goodput", "ttft_p95",
-                    "ttft_cold_p95", "ttft_resume_p95", "tpot_p95", "throughput_tok_s"):
+                    "ttft_cold_p50", "ttft_cold_p95", "ttft_resume_p50", "ttft_resume_p95", "tpot_p95",
+                    "throughput_tok_s"):
             assert figs[key] is not None, key
         assert figs["requests"] > 0 and figs["ratios"]["tpot_p95"] == 1.0
     assert [p["meta"]["agents"] for p in data["points"]] == [1, 2]

@@ -36,6 +36,8 @@ def test_attainment_and_goodput_pool_every_repeat():
     assert figs["throughput_tok_s"] == pytest.approx(24 / 15)
     # cold turns are the 1st of each run: A (0.2 s) and E (0.1 s); p95 by linear interpolation
     assert figs["ttft_cold_p95"] == pytest.approx(100.0 + 0.95 * 100.0)
+    assert figs["ttft_cold_p50"] == pytest.approx(150.0)
+    assert figs["ttft_resume_p50"] == pytest.approx(500.0)  # B C D F: 0.8, 0.3, 0.4, 0.6 s
     assert figs["requests"] == 6 and figs["errors"] == 0
     assert pooled["agentserve"].elapsed == pytest.approx(15.0)
     assert len(point["meta"]["per_repeat_ratios"]) == 2
