@@ -38,7 +38,8 @@ async def chat_completions(request: Request) -> Response:
     await unless_disconnected(request, start_choices(runs), runs)  # queued or prefilling: a client may give up
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": plan.model}
     if plan.stream:
-        return StreamingResponse(stream(runs, plan, head), media_type="text/event-stream", headers=sse.HEADERS)
+        events = sse.counted(stream(runs, plan, head), backend.metrics)
+        return StreamingResponse(events, media_type="text/event-stream", headers=sse.HEADERS)
     return JSONResponse(await unless_disconnected(request, whole(runs, head), runs))
 
 
@@ -148,9 +149,6 @@ async def stream(runs: list[ChoiceRun], plan: ChatPlan, head: dict[str, Any]) ->
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse.event({**head, "choices": [choice], **extra})
 
-    metrics = runs[0].backend.metrics
-    if metrics is not None:
-        metrics.open_streams.inc()
     try:
         for run in runs:
             yield chunk(run.index, {"role": "assistant", "content": ""})
@@ -166,8 +164,6 @@ async def stream(runs: list[ChoiceRun], plan: ChatPlan, head: dict[str, Any]) ->
     except Exception as e:  # noqa: BLE001 - the headers are sent: the client learns of it by an error event
         yield sse.event(sse.server_error(e).body())
     finally:
-        if metrics is not None:
-            metrics.open_streams.inc(-1)
         for run in runs:
             run.abandon()  # a choice still running here lost its client: abort it now
     yield sse.DONE

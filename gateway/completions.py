@@ -156,8 +156,8 @@ async def completions(request: Request) -> Response:
             "model": backend.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream(run, head, req.return_token_ids, include_usage),
-                                 media_type="text/event-stream", headers=sse.HEADERS)
+        events = sse.counted(stream(run, head, req.return_token_ids, include_usage), backend.metrics)
+        return StreamingResponse(events, media_type="text/event-stream", headers=sse.HEADERS)
     return JSONResponse(await unless_disconnected(request, whole(run, head, req.return_token_ids), [run]))
 
 

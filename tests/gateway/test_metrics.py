@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -149,3 +150,25 @@ def test_a_refused_turn_is_not_counted_as_an_abort(http_server, http) -> None:
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert value(scrape(http_server.url), ok, ok + "_total", finished_reason="abort") == before
+
+
+def open_streams(url: str) -> float:
+    name = "agentserve:http_open_streams"
+    return value(scrape(url), name, name)
+
+
+def test_every_streamed_endpoint_counts_as_an_open_stream(http_server, http) -> None:
+    """`http_open_streams` counts `/v1/completions` streams as it counts chat's, and drops once a client goes."""
+    bodies = {"/v1/completions": {"prompt": "open", "max_tokens": 2000, "ignore_eos": True, "stream": True},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "open"}], "max_tokens": 2000,
+                                       "ignore_eos": True, "stream": True}}
+    for path, body in bodies.items():
+        before = open_streams(http_server.url)
+        with http.stream("POST", path, json=body) as r:
+            lines = r.iter_lines()  # kept: a dropped iterator closes the connection
+            next(lines)
+            assert open_streams(http_server.url) == before + 1, path
+        deadline = time.monotonic() + 10
+        while open_streams(http_server.url) != before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert open_streams(http_server.url) == before, path
