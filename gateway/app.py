@@ -54,7 +54,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind)
-    return JSONResponse(error.body(), status_code=exc.status_code)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)  # a 405's Allow
 
 
 async def _bad_value(request: Request, exc: Exception) -> JSONResponse:

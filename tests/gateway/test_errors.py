@@ -86,6 +86,13 @@ def test_bad_json_too_long_prompt_unknown_model_and_route(http) -> None:
     _error(http.get("/v1/no/such/route"), 404)
 
 
+def test_a_wrong_method_is_405_with_the_allowed_ones(http) -> None:
+    """RFC 9110: a 405 names the methods the route takes (`Allow`), as Starlette's own answer does."""
+    r = http.get("/v1/chat/completions")
+    _error(r, 405)
+    assert r.headers["allow"] == "POST"
+
+
 def test_oversized_body_is_413(http) -> None:
     big = b'{"messages": [{"role": "user", "content": "' + b"x" * (9 * 2**20) + b'"}]}'
     _error(http.post("/v1/chat/completions", content=big, headers={"content-type": "application/json"}), 413)
