@@ -24,9 +24,11 @@ def content_text(content: str | list[dict[str, Any]] | None, where: str) -> str:
         return content or ""
     parts = []
     for i, part in enumerate(content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if part.get("type") != "text":
             raise bad_request(f"only text content parts are supported (got type {part.get('type')!r})",
                               param=f"{where}.content[{i}]")
+        if not isinstance(part.get("text"), str):
+            raise bad_request("a text content part needs a string `text`", param=f"{where}.content[{i}].text")
         parts.append(part["text"])
     return "".join(parts)
 

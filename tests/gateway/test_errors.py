@@ -86,6 +86,14 @@ def test_bad_json_too_long_prompt_unknown_model_and_route(http) -> None:
     _error(http.get("/v1/no/such/route"), 404)
 
 
+@pytest.mark.parametrize("part", [{"type": "text"}, {"type": "text", "text": 5}])
+def test_a_text_part_without_its_text_says_so(http, part) -> None:
+    """A text part without a string `text` is not refused as if it were an image ("got type 'text'")."""
+    body = OK | {"messages": [{"role": "user", "content": [part]}]}
+    error = _error(http.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == "messages[0].content[0].text" and "`text`" in error["message"]
+
+
 def test_a_wrong_method_is_405_with_the_allowed_ones(http) -> None:
     """RFC 9110: a 405 names the methods the route takes (`Allow`), as Starlette's own answer does."""
     r = http.get("/v1/chat/completions")
