@@ -189,7 +189,7 @@ class AsyncSession(SessionBase):
         return stream
 
     async def close(self) -> None:
-        if self._state.closed:
+        if self._closed_with_connection():
             return
         if self._active is not None:
             await self._active.close()

@@ -187,6 +187,9 @@ class Session(SessionBase):
     def close(self) -> None:
         if self._state.closed:
             return
+        self.client._drain_monitor()
+        if self._closed_with_connection():
+            return
         if self._active is not None:
             self._active.close()
         self.client._call(self._close_request(), SessionClosed)

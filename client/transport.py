@@ -198,6 +198,14 @@ class SessionBase:
         self.id = opened.session
         self.prompt_tokens = opened.prompt_tokens
         self._state = SessionState(opened.session)
+        self._epoch = client._link.epoch  # the connection it lives on: the server closes it when that drops
+
+    def _closed_with_connection(self) -> bool:
+        """Whether the connection it was opened on dropped, which closed it on the server (then it is marked closed:
+        a close has nothing to send, and must not wait for a dead server)."""
+        if self.client._link.epoch != self._epoch:
+            self._state.closed = True
+        return self._state.closed
 
     def tool_result(self, call_id: str, content: Any, name: str = "") -> None:
         """Queue a tool's output; it is sent as a ``tool`` message with the next turn."""

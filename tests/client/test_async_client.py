@@ -108,6 +108,30 @@ def test_server_death_mid_stream(endpoint):
         run(main())
 
 
+def test_a_session_of_a_dropped_connection_closes_without_waiting_for_the_server(endpoint):
+    """As in the sync client: ``async with session`` after ``ServerDisconnected`` sends no close to the dead
+    server (it waited out ``timeout`` before the caller saw the error)."""
+    srv = EchoServer(endpoint, token_delay_s=0.02).__enter__()
+    sent = []
+
+    async def main():
+        async with AsyncAgentClient(endpoint, timeout=20) as client:
+            real_send = client._send
+
+            async def recording(msg, expect_reply=True):
+                sent.append(type(msg).__name__)
+                await real_send(msg, expect_reply)
+
+            async with await client.session() as s:
+                async for _ in s.turn("w" * 500):
+                    srv.stop()
+                    client._send = recording
+
+    with pytest.raises(ServerDisconnected):
+        run(main())
+    assert sent == []
+
+
 def test_a_turn_never_iterated_takes_no_tool_results(server):
     """Queued tool results go with the turn that is sent, not with one built and dropped unsent."""
 

@@ -170,6 +170,30 @@ def test_server_death_mid_stream_raises_server_disconnected(endpoint):
         assert stream.finished
 
 
+def test_a_session_of_a_dropped_connection_closes_without_waiting_for_the_server(endpoint, monkeypatch):
+    """The server closed it with the connection: leaving ``with session`` after ``ServerDisconnected`` sends no
+    close (it used to wait out ``timeout`` for a dead server before the caller saw the error)."""
+    srv = EchoServer(endpoint, token_delay_s=0.02).__enter__()
+    with AgentClient(endpoint, timeout=20) as client:
+        sent = []
+        real_send = client._send
+
+        def recording(msg, expect_reply=True):
+            sent.append(type(msg).__name__)
+            real_send(msg, expect_reply)
+
+        with pytest.raises(ServerDisconnected), client.session() as s:
+            it = iter(s.turn("w" * 500))
+            next(it)
+            srv.stop()
+            monkeypatch.setattr(client, "_send", recording)
+            for _ in it:
+                pass
+        assert sent == []
+        s.close()  # and again: nothing to do
+        assert sent == []
+
+
 def test_client_disconnect_aborts_its_turns_on_the_server(slow_server):
     client = AgentClient(slow_server.endpoint)
     s = client.session()
