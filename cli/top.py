@@ -5,7 +5,8 @@ server nothing); ``--endpoint`` asks the server over its client socket (``GetSta
 neither, the one live run on this machine is used (both: exit 2).  ``--once --json`` prints one snapshot.  A server
 started with ``--http`` gets a line for its gateway (requests/s, open streams, from its ``/metrics``).
 Not on a terminal (a pipe, a file) it prints one plain frame per interval, and stops quietly once the pipe
-is closed (``| head``).  Exit codes: 0 ok, Ctrl-C or a closed pipe, 2 no server / the server went away.
+is closed (``| head``).  Exit codes: 0 ok, Ctrl-C or a closed pipe, 2 no server / the server went away or
+stopped publishing (``BOARD_STALL_S``: SIGSTOPped or hung).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
+#: A board whose sequence has not moved for this long belongs to a stopped or hung server (a live one publishes
+#: every 0.1 s; its loop may wait up to the executor's 10 s hang bound on a send).
+BOARD_STALL_S = 15.0
+
+
 class BoardSource:
     """Reads the stats board of ``run`` from shared memory."""
 
@@ -60,10 +66,12 @@ class BoardSource:
         except ValueError as e:  # a name no run can have (shm.segment.check_run)
             raise TopError(f"--run: {e}") from None
         self.run = run
+        self._seen = (-1, time.monotonic())  # the board's sequence, and when it last moved
 
     def read(self) -> Snapshot:
         if not self._board.writer_alive():
             raise TopError(f"the server of run {self.run!r} is gone")
+        self._check_moving()
         data = self._board.read()
         if not data:
             raise TopError(f"run {self.run!r} has not published stats yet")
@@ -71,6 +79,15 @@ class BoardSource:
             return decode_snapshot(data)
         except SnapshotError as e:
             raise TopError(str(e)) from None
+
+    def _check_moving(self) -> None:
+        """A SIGSTOPped server keeps its pid and its board: without this its last snapshot showed as live for ever."""
+        seq, now = self._board.sequence, time.monotonic()
+        if seq != self._seen[0]:
+            self._seen = (seq, now)
+        elif now - self._seen[1] > BOARD_STALL_S:
+            raise TopError(f"the server of run {self.run!r} has published no stats for {now - self._seen[1]:.0f} s: "
+                           "stopped or hung")
 
     def close(self) -> None:
         self._board.close()

@@ -16,7 +16,8 @@ from msgspec.structs import replace
 from rich.console import Console
 from snapshots import realistic
 
-from agentserve.cli.top import top
+from agentserve.cli import top as cli_top
+from agentserve.cli.top import BoardSource, TopError, top
 from agentserve.cli.top_view import BLOCKS, render, sparkline
 from agentserve.orchestrator.stats_publisher import BOARD_BYTES, fit_sessions
 from agentserve.protocol.stats import (
@@ -136,6 +137,25 @@ def test_once_dashboard_from_the_stats_board(board):
     res = CliRunner().invoke(top, ["--run", board, "--once"])
     assert res.exit_code == 0, res.output
     assert "react-agent-6" in res.output and "green_ctx" in res.output
+
+
+def test_a_board_that_stops_moving_is_a_clear_error_not_a_frozen_dashboard(monkeypatch):
+    """A SIGSTOPped (or hung) server keeps its board and a live pid: top showed its last snapshot for ever."""
+    monkeypatch.setattr(cli_top, "BOARD_STALL_S", 0.2, raising=False)
+    run = f"topstall{os.getpid()}"
+    with StatsBoard.create(run, 64 * 1024, SNAPSHOT_VERSION) as b:
+        b.publish(encode_snapshot(realistic()))
+        source = BoardSource(run)
+        try:
+            source.read()
+            time.sleep(0.5)
+            b.publish(encode_snapshot(realistic()))  # it moved since: still live, however long ago the last read
+            source.read()
+            time.sleep(0.5)
+            with pytest.raises(TopError, match=f"run '{run}' has published no stats for .* stopped or hung"):
+                source.read()
+        finally:
+            source.close()
 
 
 def test_once_json_from_an_endpoint(tmp_path):
