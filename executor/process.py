@@ -62,6 +62,7 @@ from agentserve.protocol.ring_messages import (
 )
 from agentserve.shm.channel import RingPair
 from agentserve.shm.errors import PeerDied, RingClosed
+from agentserve.shm.segment import PREFIX, cleanup_stale
 
 if TYPE_CHECKING:
     import torch
@@ -304,6 +305,7 @@ def run_executor(opts: ExecutorOptions) -> int:
         return 2
     except (PeerDied, RingClosed) as e:
         log.error("orchestrator gone: %s", e)
+        _remove_leftovers(opts.run)
         return 1
     except KeyboardInterrupt as e:
         log.info("executor interrupted (%s)", e)
@@ -316,6 +318,15 @@ def run_executor(opts: ExecutorOptions) -> int:
         if backend is not None:
             backend.close()
         pair.close()
+
+
+def _remove_leftovers(run: str) -> None:
+    """The segments and semaphores of ``run`` whose owner died: a SIGKILLed orchestrator left its rings and board
+    behind, and only the executor that outlives it is there to remove them (those of a live one stay)."""
+    try:
+        cleanup_stale(f"{PREFIX}-{run}-")
+    except Exception as e:  # noqa: BLE001 - best effort on the way out; `up` removes them at its next start
+        log.warning("could not remove the dead orchestrator's shared memory: %r", e)
 
 
 def _try_send(pair: RingPair, msg: ExecError) -> None:

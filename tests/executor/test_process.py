@@ -117,6 +117,8 @@ def test_executor_exits_when_orchestrator_dies() -> None:
             pytest.fail("executor outlived its orchestrator by 5 s")
         # ~0.1 s on an idle machine; the bound only has to tell "exits promptly" from "hangs" on a busy one.
         assert time.monotonic() - t0 < 3.0
+        # The dead orchestrator could not remove its rings; the executor that outlived it does, on its way out.
+        assert [e for e in os.listdir("/dev/shm") if f"-{run}-" in e] == []
     finally:
         if orch.is_alive():
             orch.kill()
