@@ -32,6 +32,7 @@ from agentserve.orchestrator.step_trace import StepTrace
 from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.client_messages import Welcome
 from agentserve.protocol.endpoints import EndpointError, default_endpoint, ipc_path
+from agentserve.shm.board import list_runs
 from agentserve.shm.errors import ShmError
 from agentserve.shm.segment import check_run, cleanup_stale
 
@@ -128,6 +129,9 @@ def _up(opts: dict[str, Any]) -> int:
     removed = cleanup_stale()
     if removed:
         log.info("removed %d shared-memory leftovers of dead runs", len(removed))
+    if run in list_runs():  # its segments' names are taken: say whose, before binding anything
+        raise ValueError(f"run {run!r} is already being served on this machine (`agentserve top --run {run}`): "
+                         "stop it or pick another --run")
     http = parse_http(opts["http"], opts["allow_remote"]) if opts["http"] else None
     model_dir = _resolve_model(str(engine["model"]), str(engine.get("cache_dir", "")))
     tokenizer = Tokenizer.from_dir(model_dir)

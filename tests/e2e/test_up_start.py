@@ -58,6 +58,18 @@ def test_an_ipc_endpoint_in_a_missing_folder_is_one_clear_error_and_no_folder_is
     assert "Traceback" not in out and not (tmp_path / "missing").exists()
 
 
+def test_a_run_name_a_live_server_has_is_refused_by_name(tmp_path) -> None:
+    """Another endpoint, the same --run: the segments would collide; it said only "shared-memory segment
+    /agentserve-<run>-board already exists"."""
+    from agentserve.protocol.stats import SNAPSHOT_VERSION
+    from agentserve.shm.board import StatsBoard
+
+    run = f"b{uuid.uuid4().hex[:6]}"
+    with StatsBoard.create(run, 4096, SNAPSHOT_VERSION):  # this process plays the live server of `run`
+        code, out = _up("--run", run, "--endpoint", f"ipc://{tmp_path}/other.sock")
+    assert code == 2 and f"run '{run}' is already being served" in out and "Traceback" not in out, out
+
+
 def test_an_http_port_in_use_is_refused_before_the_model_loads() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
