@@ -141,6 +141,7 @@ def _up(opts: dict[str, Any]) -> int:
         rules=limits.clients,
     )
     publisher = link = trace = gateway = None
+    stopped = False  # the loop ended on a stop: the clean-up that follows is the last thing left
     forced = ForcedStop(lambda: (m.proc for m in (link, gateway) if m is not None), ipc_path(ingress.endpoint))
     try:
         if opts["trace_steps"]:  # before the model loads: a bad path fails at once
@@ -190,7 +191,7 @@ def _up(opts: dict[str, Any]) -> int:
         except ServerBroken as e:
             click.echo(f"agentserve up: internal error, stopped after ending every turn: {e}", err=True)
             return 3
-        log.info("shut down cleanly")
+        stopped = True
         return 0
     finally:
         forced.arm()  # one stop is enough: a signal during the clean-up forces it (SIGKILL, everything still removed)
@@ -204,6 +205,8 @@ def _up(opts: dict[str, Any]) -> int:
             trace.close()
         ingress.close()
         ignore_signals()  # done: a signal from here to the exit changes nothing
+        if stopped:  # said once the clean-up is done: a forced one exits before this
+            log.info("shut down cleanly")
 
 
 def _warn_if_clamped(asked: Any, serving: int) -> None:

@@ -128,6 +128,7 @@ def test_a_second_signal_during_a_slow_clean_up_forces_it_and_leaves_nothing(tmp
         err = proc.communicate()[1]
     assert code == 130 and took < 5, (code, took, err)
     assert len([line for line in err.splitlines() if "forcing" in line]) == 1, err
+    assert "shut down cleanly" not in err, err  # logged as the loop ended, before a clean-up that was then forced
     assert not sock.exists() and not [n for n in os.listdir("/dev/shm") if run in n]
     deadline = time.monotonic() + 5
     while any(pid_alive(p) for p in children):
