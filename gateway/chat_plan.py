@@ -8,6 +8,7 @@ that :mod:`agentserve.gateway.errors` maps to a 400 as well.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,10 +82,22 @@ def sampling_options(req: SamplingFields, max_tokens: int | None, backend: Backe
     return out
 
 
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's pattern for a function's name
+
+
+def check_tool_name(name: str, param: str) -> None:
+    """A 400 for a function name OpenAI refuses: the name is written into the prompt by the chat template, so a
+    quote or a ``</tool_call>`` in it would change what the model reads."""
+    if not TOOL_NAME.fullmatch(name):
+        shown = name if len(name) <= 80 else name[:80] + "..."
+        raise bad_request(f"invalid function name {shown!r}: 1 to 64 ASCII letters, digits, '_' or '-'", param=param)
+
+
 def tool_dicts(tools_in: list[Tool] | None) -> list[dict[str, Any]]:
-    """A request's function tools as the chat template and the orchestrator take them."""
+    """A request's function tools as the chat template and the orchestrator take them (400 for a bad name)."""
     tools = []
-    for t in tools_in or []:
+    for i, t in enumerate(tools_in or []):
+        check_tool_name(t.function.name, f"tools[{i}].function.name")
         fn: dict[str, Any] = {"name": t.function.name}
         if t.function.description is not None:
             fn["description"] = t.function.description
