@@ -2,7 +2,8 @@
 
 Roles: ``system`` and ``developer`` (a system message; the first one becomes the session's system
 prompt), ``user``, ``assistant`` (``content`` may be null when it carries ``tool_calls``), ``tool``
-(answers ``tool_call_id``).  Content is a string or a list of text parts.
+(answers ``tool_call_id``).  Content is a string or a list of text parts; every message but such an
+assistant's has content (:func:`check_content`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ def content_text(content: str | list[dict[str, Any]] | None, where: str) -> str:
             raise bad_request("a text content part needs a string `text`", param=f"{where}.content[{i}].text")
         parts.append(part["text"])
     return "".join(parts)
+
+
+def check_content(m: ChatMessage, where: str) -> None:
+    """A 400 for a message without content (null or missing), as OpenAI answers: only an assistant message that
+    carries ``tool_calls`` may leave it null."""
+    if m.content is not None or (m.role == "assistant" and m.tool_calls):
+        return
+    need = "`content` or `tool_calls`" if m.role == "assistant" else "`content` (a string or a list of text parts)"
+    raise bad_request(f"{where}: a {m.role} message needs {need}; its content is null or missing",
+                      param=f"{where}.content")
 
 
 def arguments_value(call: ToolCallIn) -> dict[str, Any] | str:
@@ -95,6 +106,7 @@ def translate(messages: list[ChatMessage]) -> Translated:
         role = ROLES.get(m.role)
         if role is None:
             raise bad_request(f"unknown role {m.role!r} (expected one of {sorted(ROLES)})", param=f"{where}.role")
+        check_content(m, where)
         text = content_text(m.content, where)
         calls: list[dict[str, Any]] = []
         keys: list[tuple[str, str, str]] = []

@@ -94,6 +94,29 @@ def test_a_text_part_without_its_text_says_so(http, part) -> None:
     assert error["param"] == "messages[0].content[0].text" and "`text`" in error["message"]
 
 
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("content", [{"content": None}, {}], ids=["null", "missing"])
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool", "assistant"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_message_without_content_is_400_naming_it(http, path, role, content) -> None:
+    """OpenAI refuses a message whose content is null or missing (an assistant's without tool_calls too); it was
+    read as empty text and answered."""
+    messages = [{"role": "user", "content": "hi"}, {"role": role, "tool_call_id": "c1", **content},
+                {"role": "user", "content": "go on"}]
+    err = _error(http.post(path, json=OK | {"messages": messages}), 400)
+    assert (err["param"], err["type"]) == ("messages[1].content", "invalid_request_error"), err
+    assert f"{role} message" in err["message"]
+
+
+def test_an_assistant_message_with_tool_calls_may_have_null_content(http) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    assert http.post("/v1/chat/completions", json=OK | {"messages": messages}).status_code == 200
+    assert http.post("/tokenize", json={"messages": messages}).status_code == 200
+
+
 def _tools(*names: str) -> list[dict]:
     return [{"type": "function", "function": {"name": name}} for name in names]
 

@@ -162,6 +162,14 @@ NOT_JSON = st.sampled_from([math.inf, -math.inf, math.nan])  # json.dumps writes
 USER = {"role": "user", "content": "hi"}
 
 
+def with_content(message: dict[str, Any]) -> dict[str, Any]:
+    """A valid message has content (an empty one where it was left out), unless it is an assistant's with tool
+    calls."""
+    if message["role"] == "assistant" and message.get("tool_calls"):
+        return message
+    return {"content": "", **message}
+
+
 def weighted(*choices: tuple[int, st.SearchStrategy]) -> st.SearchStrategy:
     """A value of one of the strategies, chosen in proportion to its weight."""
     return st.sampled_from([s for weight, s in choices for _ in range(weight)]).flatmap(lambda s: s)
@@ -194,8 +202,9 @@ class Shapes:
         content = self.mostly(weighted((2, self.text), (1, st.lists(part, max_size=3))))
 
         def message(role: st.SearchStrategy, **optional: st.SearchStrategy) -> st.SearchStrategy:
-            return self.mostly(st.fixed_dictionaries({"role": role}, optional={
+            made = self.mostly(st.fixed_dictionaries({"role": role}, optional={
                 "content": content, "name": self.mostly(self.text), "x": self.any} | optional))
+            return made if hostile else made.map(with_content)
 
         roles = [
             (4, message(st.sampled_from(["system", "developer", "user"]))),
