@@ -261,9 +261,15 @@ class AsyncTurnStream(TurnCore):
     async def close(self) -> None:
         if self.finished or self._request is not None:
             return
+        if self.session._closed_with_connection():  # the server ended the turn with the connection: nothing to abort
+            self._end()
+            return
         try:
             await self.abort()
             await self.collect()
         except AgentServeError:
-            self.finished = True
-            self.session.client._forget(self.req)
+            self._end()
+
+    def _end(self) -> None:
+        self.finished = True
+        self.session.client._forget(self.req)

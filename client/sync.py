@@ -242,15 +242,23 @@ class TurnStream(TurnCore):
             client._send(Abort(client._next_req(), self.session.id, self.req), expect_reply=False)
 
     def close(self) -> None:
-        """Abort if still running and drain the stream (errors while draining are dropped)."""
+        """Abort if still running and drain the stream (errors while draining are dropped).  After its connection
+        dropped there is nothing to abort (the server ended the turn with it): it returns at once."""
         if self.finished:
+            return
+        self.session.client._drain_monitor()
+        if self.session._closed_with_connection():
+            self._end()
             return
         try:
             self.abort()
             self.collect()
         except AgentServeError:
-            self.finished = True
-            self.session.client._forget(self.req)
+            self._end()
+
+    def _end(self) -> None:
+        self.finished = True
+        self.session.client._forget(self.req)
 
     def __enter__(self) -> TurnStream:
         return self

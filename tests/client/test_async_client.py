@@ -132,6 +132,34 @@ def test_a_session_of_a_dropped_connection_closes_without_waiting_for_the_server
     assert sent == []
 
 
+def test_closing_a_turn_of_a_dropped_connection_returns_at_once(endpoint):
+    """As in the sync client: once the drop is known, ``close`` sends no abort to the dead server."""
+    srv = EchoServer(endpoint, token_delay_s=0.02).__enter__()
+    sent = []
+
+    async def main():
+        async with AsyncAgentClient(endpoint, timeout=20) as client:
+            stream = (await client.session()).turn("w" * 500)
+            await anext(aiter(stream))
+            srv.stop()
+            for _ in range(3000):  # the drop, as the monitor task reports it
+                if client._link.epoch:
+                    break
+                await asyncio.sleep(0.01)
+            real_send = client._send
+
+            async def recording(msg, expect_reply=True):
+                sent.append(type(msg).__name__)
+                await real_send(msg, expect_reply)
+
+            client._send = recording
+            await stream.close()
+            return stream
+
+    stream = run(main())
+    assert sent == [] and stream.finished
+
+
 def test_a_turn_never_iterated_takes_no_tool_results(server):
     """Queued tool results go with the turn that is sent, not with one built and dropped unsent."""
 

@@ -194,6 +194,31 @@ def test_a_session_of_a_dropped_connection_closes_without_waiting_for_the_server
         assert sent == []
 
 
+def test_closing_a_turn_of_a_dropped_connection_returns_at_once(endpoint, monkeypatch):
+    """Once the client knows the connection dropped, the server ended the turn with it: ``close`` (``with stream``)
+    sends no abort to the dead server (it waited out ``timeout`` for the socket to take one)."""
+    srv = EchoServer(endpoint, token_delay_s=0.02).__enter__()
+    with AgentClient(endpoint, timeout=20) as client:
+        stream = client.session().turn("w" * 500)
+        next(iter(stream))
+        srv.stop()
+        deadline = time.monotonic() + 30
+        while client._link.epoch == 0 and time.monotonic() < deadline:  # the drop, as the monitor reports it
+            client._drain_monitor()
+            time.sleep(0.01)
+        sent = []
+        real_send = client._send
+
+        def recording(msg, expect_reply=True):
+            sent.append(type(msg).__name__)
+            real_send(msg, expect_reply)
+
+        monkeypatch.setattr(client, "_send", recording)
+        stream.close()
+        assert sent == [] and stream.finished
+        assert stream.req not in client._inbox
+
+
 def test_client_disconnect_aborts_its_turns_on_the_server(slow_server):
     client = AgentClient(slow_server.endpoint)
     s = client.session()
