@@ -104,7 +104,7 @@ def up(**opts: Any) -> None:
     except (configs.ConfigError, EndpointError, EngineError, ExecutorStartError, ShmError, ValueError) as e:
         click.echo(f"agentserve up: {e}", err=True)  # a missing model, a bad flag: one line, exit 2
         code = 2
-    except KeyboardInterrupt:  # SIGINT / SIGTERM while starting: everything was cleaned up on the way out
+    except KeyboardInterrupt:  # SIGINT / SIGTERM / SIGHUP while starting: everything was cleaned up on the way out
         log.info("stopped while starting")
         code = 0
     sys.exit(code)

@@ -1,4 +1,5 @@
-"""How ``agentserve up`` answers SIGINT and SIGTERM.
+"""How ``agentserve up`` answers SIGINT, SIGTERM and SIGHUP (a closed terminal or a dropped ssh session: a stop
+like SIGTERM's, not a death without the clean-up).
 
 The first one stops it (while loading: the load is interrupted; while serving: the loop ends its turns and
 returns) and the clean-up runs: the gateway and the executor are asked to stop and given a grace (seconds, more
@@ -23,7 +24,7 @@ from agentserve.shm.segment import run_cleanups
 
 log = logging.getLogger("agentserve.up")
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class ForcedStop:

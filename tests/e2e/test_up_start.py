@@ -141,9 +141,9 @@ def _cmdline(pid: int) -> bytes:
         return f.read()
 
 
-def _ready_then_sigint(*flags: str) -> str:
-    """``agentserve up --model tiny`` until its ready line, then SIGINT (killed if it does not stop); its stderr.
-    It must have served and left no segment."""
+def _ready_then_signal(*flags: str, sig: signal.Signals = signal.SIGINT) -> str:
+    """``agentserve up --model tiny`` until its ready line, then ``sig`` (killed if it does not stop); its stderr.
+    It must have served, stopped cleanly (exit 0) and left no segment and no process."""
     run = f"r{uuid.uuid4().hex[:6]}"
     proc = subprocess.Popen(["agentserve", "up", "--model", "tiny", "--run", run, *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -155,28 +155,39 @@ def _ready_then_sigint(*flags: str) -> str:
             if not line:
                 break
             lines.append(line)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert any(line.startswith("AgentServe ready") for line in lines), (lines, err)
+    assert proc.returncode == 0, (proc.returncode, err)
     assert not [n for n in os.listdir("/dev/shm") if run in n]
+    assert subprocess.run(["pgrep", "-f", run], capture_output=True).returncode == 1, "a process was left"
     return err
+
+
+def test_sighup_stops_it_cleanly_as_sigterm_does(tmp_path) -> None:
+    """A closed terminal or a dropped ssh session (SIGHUP) killed it without its clean-up: no gateway or executor
+    stop, segments and the socket left behind.  It is now a stop like SIGTERM's."""
+    sock = tmp_path / "up.sock"
+    err = _ready_then_signal("--endpoint", f"ipc://{sock}", sig=signal.SIGHUP)
+    assert "received SIGHUP; stopping" in err and "shut down cleanly" in err, err
+    assert not sock.exists()
 
 
 def test_with_log_json_every_line_on_stderr_is_json() -> None:
     """The "loading the model … N s" progress was a plain line among the JSON records."""
     import json
 
-    err = _ready_then_sigint("--log-json")
+    err = _ready_then_signal("--log-json")
     records = [json.loads(line) for line in err.splitlines() if line.strip()]  # raises on a plain line
     assert any("loading the model" in r.get("msg", r.get("message", "")) for r in records), err
 
 
 def test_a_max_model_len_over_the_models_context_is_served_with_a_warning_naming_both() -> None:
     """It started and served the model's 4096 tokens without a word about the 100000 asked for."""
-    err = _ready_then_sigint("--max-model-len", "100000")
+    err = _ready_then_signal("--max-model-len", "100000")
     warning = next((line for line in err.splitlines() if "level=WARNING" in line and "max_model_len" in line), "")
     assert "100000" in warning and "4096" in warning, err
