@@ -1,7 +1,8 @@
 """Start and stop the systems under test: a fresh ``agentserve up`` per policy, or llama.cpp's server.
 
 Each launcher is a context manager that yields a connected-ready :class:`Target` (how to build the
-driver) and stops the process on exit (SIGTERM, then SIGKILL after a grace period). Server output
+driver) and stops the process on exit (SIGTERM, then SIGKILL after a grace period); the process runs in its own
+session, so a Ctrl-C reaches bench alone, and gets SIGTERM if bench dies without stopping it. Server output
 goes to a log file whose tail is quoted when the server fails to start, and which is copied to ``keep_log`` when
 the server has stopped (``agentserve bench --keep-logs``).
 """
@@ -26,6 +27,7 @@ from agentserve.bench.driver import Driver
 from agentserve.bench.http_sse import get
 from agentserve.bench.openai_driver import OpenAIDriver
 from agentserve.bench.sdk_driver import SDKDriver
+from agentserve.cli.child_process import own_session
 
 LLAMA_CACHE = configs.cache_dir("AGENTSERVE_LLAMA_CACHE", "llama.cpp")
 
@@ -63,7 +65,8 @@ def _process(cmd: list[str], ready: Callable[[subprocess.Popen, Path], bool], ti
     workdir = Path(tempfile.mkdtemp(prefix="agentserve-bench-"))
     log = workdir / "server.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # its own session: only bench stops it (a Ctrl-C in the terminal would reach it too, then bench's SIGTERM)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, **own_session())
     try:
         deadline = time.monotonic() + timeout_s
         while not ready(proc, log):

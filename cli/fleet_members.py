@@ -8,8 +8,6 @@ and ipc socket behind, which :meth:`Worker.clean_up` removes.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -23,18 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentserve.cli.child_process import own_session
 from agentserve.cli.up import up
 from agentserve.protocol.endpoints import default_endpoint, ipc_path
 from agentserve.shm.segment import PREFIX, cleanup_stale
 
 log = logging.getLogger("agentserve.fleet")
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def agentserve_executable() -> str:
@@ -77,8 +69,7 @@ class Member:
     def start(self, env: dict[str, str] | None = None) -> None:
         with self.log_path.open("ab") as out:
             self.proc = subprocess.Popen(
-                self.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                self.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, **own_session(),
             )
 
     def exit_code(self) -> int | None:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from click.testing import CliRunner
 from agentserve.bench import runner, servers
 from agentserve.bench.workload import load_spec
 from agentserve.cli.bench import bench, context_per_agent
+from agentserve.shm.segment import pid_alive
 
 
 def test_bench_against_an_external_server_writes_json(tmp_path):
@@ -211,3 +216,51 @@ def test_a_system_whose_replies_stop_short_fails_the_command(tmp_path, monkeypat
     assert policies["fcfs"]["short_replies"] == policies["fcfs"]["requests"] > 0
     assert policies["agentserve"]["short_replies"] == 0
     assert "short)" in result.output
+
+
+SIGNAL_LOGGER = ("import os, signal, sys, time\n"
+                 "heard = open(sys.argv[1], 'a')\n"
+                 "def on(sig, frame):\n"
+                 "    heard.write(signal.Signals(sig).name + '\\n'); heard.flush()\n"
+                 "    if sig == signal.SIGTERM: sys.exit(0)\n"
+                 "signal.signal(signal.SIGINT, on); signal.signal(signal.SIGTERM, on)\n"
+                 "heard.write(f'pid {os.getpid()}\\n'); heard.flush()\n"
+                 "print('ready', flush=True)\n"
+                 "while True: time.sleep(1)\n")
+
+BENCH_LIKE = ("import sys, time\n"
+              "from agentserve.bench import servers\n"
+              "cmd = [sys.executable, '-c', sys.argv[1], sys.argv[2]]\n"
+              "with servers._process(cmd, lambda proc, log: 'ready' in log.read_text(), 30):\n"
+              "    print('serving', flush=True); time.sleep(120)\n")
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "killed"])
+def test_the_server_is_stopped_by_bench_alone(tmp_path, how):
+    """The server shared the terminal's process group: a Ctrl-C reached it as well as bench, which then sent SIGTERM
+    to a server already stopping (`agentserve up` took that as a second signal: 'exited with 143').  It has its own
+    session now, so only bench's SIGTERM reaches it; and a bench that dies without stopping it (SIGKILL, a closed
+    terminal) takes it along, with a SIGTERM, instead of leaving it running."""
+    heard = tmp_path / "heard"
+    bench_proc = subprocess.Popen([sys.executable, "-c", BENCH_LIKE, SIGNAL_LOGGER, str(heard)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True)  # a terminal's process group, of its own
+    try:
+        assert bench_proc.stdout.readline() == "serving\n", bench_proc.stderr.read()
+        if how == "ctrl-c":
+            os.killpg(bench_proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        else:
+            bench_proc.kill()
+        _, err = bench_proc.communicate(timeout=60)
+        server_pid = int(heard.read_text().split()[1])
+        deadline = time.monotonic() + 60
+        while pid_alive(server_pid):
+            assert time.monotonic() < deadline, "the server was left running"
+            time.sleep(0.05)
+    finally:  # whatever failed: nothing left running
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(bench_proc.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            os.kill(int(heard.read_text().split()[1]), signal.SIGKILL)
+    assert heard.read_text().split()[2:] == ["SIGTERM"], heard.read_text()
+    assert "warning" not in err, err
