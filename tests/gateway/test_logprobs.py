@@ -145,12 +145,32 @@ def tiny_ids(entries: list[dict]) -> list[int]:
 
 
 def starts(entries: list[dict]) -> list[int]:
-    """Where each entry's token starts in the reply: the length of what the tokens before it decode to, as the
-    orchestrator detokenizes them (a partial character held back until it is whole)."""
-    detok, out, chars = tiny_tokenizer().detokenizer(), [], 0
-    for token in tiny_ids(entries):
-        out.append(chars)
-        chars += len(detok.add(token))
+    """Where each entry's token starts in the reply, from the bytes: the reply is the bytes of the tokens it shows
+    (special ones skipped) decoded with a U+FFFD for each run of invalid ones, and a token starts in the character
+    that its first byte is part of (a token that shows none, an eos, in the one the next byte is part of)."""
+    tokenizer = tiny_tokenizer()
+    shown = [tokenizer.token_bytes(t) if tokenizer.decode([t]) else b"" for t in tiny_ids(entries)]
+    raw = b"".join(shown)
+    chars = [*char_of_each_byte(raw), len(raw.decode(errors="replace"))]  # past the last byte: the text's end
+    return [chars[sum(map(len, shown[:i]))] for i in range(len(shown))]
+
+
+def char_of_each_byte(raw: bytes) -> list[int]:
+    """The index of the character each byte of ``raw`` is part of when it is decoded with a U+FFFD for each run of
+    invalid bytes (Python's rule and the tokenizers' alike)."""
+    out: list[int] = []
+    chars = 0
+    while raw:
+        try:
+            good, bad, raw = raw.decode(), b"", b""
+        except UnicodeDecodeError as e:
+            good, bad, raw = raw[:e.start].decode(), raw[e.start:e.end], raw[e.end:]
+        for char in good:
+            out += [chars] * len(char.encode())
+            chars += 1
+        if bad:
+            out += [chars] * len(bad)
+            chars += 1
     return out
 
 
@@ -274,6 +294,40 @@ def test_text_offsets_index_the_text_past_split_characters() -> None:
     whole = log.legacy(0, log.tokens)
     assert whole["text_offset"] == streamed == [0, 1, 1, 2, 3, 4, 4, 4, 5, 6, 6]
     assert_offsets_index("aé b€!", whole["tokens"][:-2], whole["text_offset"][:-2])
+
+
+E4, B8, X80 = 0xE4, 0xB8, 0x80  # byte-level ids: 一 is E4 B8 80
+
+
+@pytest.mark.parametrize(("ids", "text", "offsets"), [
+    ([E4, *b"ab"], "\ufffdab", [0, 1, 2]),  # a character's first byte, then none of its others: "a" follows U+FFFD
+    ([X80, *b"a"], "\ufffda", [0, 1]),  # a lone continuation byte
+    ([E4, B8, *b"a"], "\ufffda", [0, 0, 1]),  # two bytes of one invalid sequence share its U+FFFD
+    ([E4, E4, B8, X80, *b"a"], "\ufffd一a", [0, 1, 1, 1, 2]),  # an invalid byte, then a whole character
+    ([*b"a", E4, E4], "a\ufffd\ufffd", [0, 1, 2]),  # bytes held back at the end: the text ends in their U+FFFD
+    ([E4, 256, *b"a"], "\ufffda", [0, 1, 1]),  # the eos between them reads "" (skipped): it starts after U+FFFD
+])
+def test_text_offsets_count_the_replacement_characters_of_invalid_bytes(ids, text, offsets) -> None:
+    """Bytes that never become a character are a U+FFFD in the returned text (the detokenizer releases it with the
+    next token, or at the end): the tokens after them start past it, not where the held bytes began.  Whole and
+    streamed (the text as the orchestrator sends it) alike."""
+    assert detok_text(ids, final=True) == text
+    whole, log, streamed = tiny_log(ids), tiny_log([]), []
+    for i, token in enumerate(ids):
+        log.add(TokenIds([token], 0.0, 0.0, [-1.0]))
+        final = i == len(ids) - 1
+        streamed += log.take_legacy(len(detok_text(ids[:i + 1], final)), final)["text_offset"]
+    got = whole.take_legacy(len(text), final=True)
+    assert got["text_offset"] == streamed == offsets
+    shown = [(token, offset) for t, token, offset in zip(ids, got["tokens"], offsets, strict=True) if t != 256]
+    assert_offsets_index(text, *map(list, zip(*shown, strict=True)))
+    assert starts(whole.chat(whole.tokens)["content"]) == offsets  # the reference the server tests use
+
+
+def detok_text(ids: list[int], final: bool) -> str:
+    """The text the orchestrator has sent after ``ids`` (held-back bytes released as U+FFFD at the end)."""
+    detok = tiny_tokenizer().detokenizer()
+    return "".join(detok.add(t) for t in ids) + (detok.flush() if final else "")
 
 
 def test_bytes_are_each_token_s_raw_bytes() -> None:
