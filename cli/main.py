@@ -10,6 +10,8 @@ import importlib
 
 import click
 
+from agentserve.cli.interrupts import exit_interrupted
+
 COMMANDS: dict[str, str] = {
     "up": "agentserve.cli.up:up",
     "top": "agentserve.cli.top:top",
@@ -33,6 +35,14 @@ class LazyGroup(click.Group):
         command = getattr(importlib.import_module(module), attr)
         self.add_command(command, name)
         return command
+
+    def invoke(self, ctx: click.Context) -> object:
+        """A command a Ctrl-C interrupted ends with one line and exit status 130 (``up`` and ``top`` handle their
+        own: for them a Ctrl-C is the way to stop)."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            exit_interrupted(ctx.invoked_subcommand)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from agentserve.cli.interrupts import signal_exit_status
 from agentserve.shm.segment import run_cleanups
 
 log = logging.getLogger("agentserve.up")
@@ -48,7 +49,7 @@ class ForcedStop:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:  # whatever raised above (a closed stderr, a child gone): the exit is what was asked for
-            os._exit(128 + signum)
+            os._exit(signal_exit_status(signum))
 
     def arm(self) -> None:
         """From now on a signal forces the clean-up."""
