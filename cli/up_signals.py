@@ -8,6 +8,11 @@ loop ends its turns or during the clean-up) forces it (so does the first, when t
 SIGKILL to the executor and the gateway, the run's segments and ipc socket removed all the same, exit code 128 +
 the signal's number (130 for a second Ctrl-C); signals during the forced stop are ignored.  Once the clean-up is
 done, signals are ignored until the exit.
+
+A hangup never forces: a closed terminal sends SIGHUP more than once (the shell passes it on to its jobs, then
+the kernel sends it to the foreground group), so the later ones are ignored and the clean-up runs to its end.  A
+process started with SIGHUP ignored (``nohup agentserve up &``) keeps ignoring it: it was asked to outlive the
+terminal.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from agentserve.shm.segment import run_cleanups
 
 log = logging.getLogger("agentserve.up")
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORCING = (signal.SIGINT, signal.SIGTERM)  # the signals a second stop is asked by
+HANGUP_IGNORED = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # as inherited (nohup): read before any handler
+SIGNALS = FORCING if HANGUP_IGNORED else (*FORCING, signal.SIGHUP)
 
 
 class ForcedStop:
@@ -52,9 +59,9 @@ class ForcedStop:
             os._exit(signal_exit_status(signum))
 
     def arm(self) -> None:
-        """From now on a signal forces the clean-up."""
+        """From now on SIGINT or SIGTERM forces the clean-up; a hangup changes nothing."""
         for sig in SIGNALS:
-            signal.signal(sig, self)
+            signal.signal(sig, self if sig in FORCING else signal.SIG_IGN)
 
 
 def on_signals(stop: Callable[[], None], forced: ForcedStop) -> None:

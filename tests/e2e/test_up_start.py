@@ -141,12 +141,15 @@ def _cmdline(pid: int) -> bytes:
         return f.read()
 
 
-def _ready_then_signal(*flags: str, sig: signal.Signals = signal.SIGINT) -> str:
-    """``agentserve up --model tiny`` until its ready line, then ``sig`` (killed if it does not stop); its stderr.
-    It must have served, stopped cleanly (exit 0) and left no segment and no process."""
+def _ready_then_signal(*flags: str, sig: signal.Signals = signal.SIGINT, times: int = 1,
+                       hangup_ignored: bool = False) -> str:
+    """``agentserve up --model tiny`` until its ready line, then ``sig`` (``times`` times, 1 ms apart; killed if it
+    does not stop); its stderr.  It must have served, stopped cleanly (exit 0) and left no segment and no process.
+    ``hangup_ignored``: started as ``nohup`` starts it, and SIGTERM sent 1 s after ``sig``."""
     run = f"r{uuid.uuid4().hex[:6]}"
+    nohup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if hangup_ignored else None
     proc = subprocess.Popen(["agentserve", "up", "--model", "tiny", "--run", run, *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=nohup)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120
@@ -155,7 +158,13 @@ def _ready_then_signal(*flags: str, sig: signal.Signals = signal.SIGINT) -> str:
             if not line:
                 break
             lines.append(line)
-        proc.send_signal(sig)
+        for _ in range(times):
+            proc.send_signal(sig)
+            time.sleep(0.001)
+        if hangup_ignored:
+            time.sleep(1.0)
+            assert proc.poll() is None, "it stopped on a hangup it was started to ignore"
+            proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -175,6 +184,19 @@ def test_sighup_stops_it_cleanly_as_sigterm_does(tmp_path) -> None:
     err = _ready_then_signal("--endpoint", f"ipc://{sock}", sig=signal.SIGHUP)
     assert "received SIGHUP; stopping" in err and "shut down cleanly" in err, err
     assert not sock.exists()
+
+
+def test_a_terminals_repeated_hangup_does_not_force_the_clean_up() -> None:
+    """A closed terminal sends SIGHUP twice at once (the shell to its jobs, the kernel to the foreground group):
+    the second one forced the clean-up (SIGKILL to the executor, exit 129) instead of letting it run."""
+    err = _ready_then_signal(sig=signal.SIGHUP, times=2)
+    assert "forcing" not in err and "shut down cleanly" in err, err
+
+
+def test_under_nohup_a_hangup_is_ignored() -> None:
+    """``nohup agentserve up &`` asks it to outlive the terminal: SIGHUP stopped it all the same."""
+    err = _ready_then_signal(sig=signal.SIGHUP, hangup_ignored=True)
+    assert "received SIGHUP" not in err and "received SIGTERM; stopping" in err, err
 
 
 def test_with_log_json_every_line_on_stderr_is_json() -> None:
