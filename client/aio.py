@@ -189,10 +189,12 @@ class AsyncSession(SessionBase):
         return stream
 
     async def close(self) -> None:
-        if self._closed_with_connection():
+        if self._state.closed:
             return
         if self._active is not None:
-            await self._active.close()
+            await self._active.close()  # after a drop: ended at once, nothing sent
+        if self._closed_with_connection():
+            return
         await self.client._call(self._close_request(), SessionClosed)
 
     async def __aenter__(self) -> AsyncSession:

@@ -188,10 +188,10 @@ class Session(SessionBase):
         if self._state.closed:
             return
         self.client._drain_monitor()
+        if self._active is not None:
+            self._active.close()  # after a drop: ended at once, nothing sent
         if self._closed_with_connection():
             return
-        if self._active is not None:
-            self._active.close()
         self.client._call(self._close_request(), SessionClosed)
 
     def __enter__(self) -> Session:

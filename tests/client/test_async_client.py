@@ -132,14 +132,17 @@ def test_a_session_of_a_dropped_connection_closes_without_waiting_for_the_server
     assert sent == []
 
 
-def test_closing_a_turn_of_a_dropped_connection_returns_at_once(endpoint):
-    """As in the sync client: once the drop is known, ``close`` sends no abort to the dead server."""
+@pytest.mark.parametrize("closed", ["turn", "session"])
+def test_closing_after_a_drop_sends_nothing_and_ends_the_turn(endpoint, closed):
+    """As in the sync client: once the drop is known, ``close`` of the turn sends no abort to the dead server, and
+    ``close`` of its session ends the unread turn (its queue kept collecting the monitor's drop markers)."""
     srv = EchoServer(endpoint, token_delay_s=0.02).__enter__()
     sent = []
 
     async def main():
         async with AsyncAgentClient(endpoint, timeout=20) as client:
-            stream = (await client.session()).turn("w" * 500)
+            s = await client.session()
+            stream = s.turn("w" * 500)
             await anext(aiter(stream))
             srv.stop()
             for _ in range(3000):  # the drop, as the monitor task reports it
@@ -153,11 +156,12 @@ def test_closing_a_turn_of_a_dropped_connection_returns_at_once(endpoint):
                 await real_send(msg, expect_reply)
 
             client._send = recording
-            await stream.close()
-            return stream
+            await (stream if closed == "turn" else s).close()
+            return stream, client
 
-    stream = run(main())
+    stream, client = run(main())
     assert sent == [] and stream.finished
+    assert stream.req not in client._queues and stream.req not in client._sent_epoch
 
 
 def test_a_turn_never_iterated_takes_no_tool_results(server):

@@ -194,12 +194,16 @@ def test_a_session_of_a_dropped_connection_closes_without_waiting_for_the_server
         assert sent == []
 
 
-def test_closing_a_turn_of_a_dropped_connection_returns_at_once(endpoint, monkeypatch):
-    """Once the client knows the connection dropped, the server ended the turn with it: ``close`` (``with stream``)
-    sends no abort to the dead server (it waited out ``timeout`` for the socket to take one)."""
+@pytest.mark.parametrize("closed", ["turn", "session"])
+def test_closing_after_a_drop_sends_nothing_and_ends_the_turn(endpoint, monkeypatch, closed):
+    """Once the client knows the connection dropped, the server ended the turn with it: ``close`` of the turn
+    (``with stream``) sends no abort to the dead server (it waited out ``timeout`` for the socket to take one), and
+    ``close`` of its session ends the unread turn (it returned before, leaving the turn's routing entry behind and
+    its stream unfinished)."""
     srv = EchoServer(endpoint, token_delay_s=0.02).__enter__()
     with AgentClient(endpoint, timeout=20) as client:
-        stream = client.session().turn("w" * 500)
+        s = client.session()
+        stream = s.turn("w" * 500)
         next(iter(stream))
         srv.stop()
         deadline = time.monotonic() + 30
@@ -214,9 +218,9 @@ def test_closing_a_turn_of_a_dropped_connection_returns_at_once(endpoint, monkey
             real_send(msg, expect_reply)
 
         monkeypatch.setattr(client, "_send", recording)
-        stream.close()
+        (stream if closed == "turn" else s).close()
         assert sent == [] and stream.finished
-        assert stream.req not in client._inbox
+        assert stream.req not in client._inbox and stream.req not in client._sent_epoch
 
 
 def test_client_disconnect_aborts_its_turns_on_the_server(slow_server):
