@@ -82,15 +82,18 @@ def sampling_options(req: SamplingFields, max_tokens: int | None, backend: Backe
     return out
 
 
-TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's pattern for a function's name
+# OpenAI's ^[a-zA-Z0-9_-]{1,64}$ widened to the names MCP tools carry (letters of any script, '.', ':', '/', up
+# to 128): nothing in it can end a string or a tag of the prompt the chat template writes the name into
+TOOL_NAME = re.compile(r"[\w.:/-]{1,128}")
 
 
 def check_tool_name(name: str, param: str) -> None:
-    """A 400 for a function name OpenAI refuses: the name is written into the prompt by the chat template, so a
-    quote or a ``</tool_call>`` in it would change what the model reads."""
+    """A 400 for a function name that could change what the model reads: the chat template writes it into the
+    prompt as sent, so a quote, a ``</tool_call>`` or a line break in it would."""
     if not TOOL_NAME.fullmatch(name):
         shown = name if len(name) <= 80 else name[:80] + "..."
-        raise bad_request(f"invalid function name {shown!r}: 1 to 64 ASCII letters, digits, '_' or '-'", param=param)
+        raise bad_request(f"invalid function name {shown!r}: 1 to 128 letters, digits, '_', '-', '.', ':' or '/'",
+                          param=param)
 
 
 def tool_dicts(tools_in: list[Tool] | None) -> list[dict[str, Any]]:

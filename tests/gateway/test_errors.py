@@ -121,18 +121,20 @@ def _tools(*names: str) -> list[dict]:
     return [{"type": "function", "function": {"name": name}} for name in names]
 
 
-@pytest.mark.parametrize("name", ['get"weather', "f</tool_call>", "f" * 65, "", "café", "f\n", "a b", "f.g"])
+@pytest.mark.parametrize("name", ['get"weather', "f</tool_call>", "f" * 129, "", "f\n", "a b", "f'g", "f\\g", "f{}"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
-def test_a_function_name_outside_openai_s_pattern_is_400_naming_its_tool(http, path, name) -> None:
-    """OpenAI takes function names of ``^[a-zA-Z0-9_-]{1,64}$`` only; a quote or a tag went into the prompt as sent."""
+def test_a_function_name_that_could_change_the_prompt_is_400_naming_its_tool(http, path, name) -> None:
+    """A quote, a tag or a line break in a name went into the prompt as sent (so did 129 characters, past MCP's
+    limit)."""
     err = _error(http.post(path, json=OK | {"tools": _tools("ok", name)}), 400)
     assert (err["param"], err["type"]) == ("tools[1].function.name", "invalid_request_error"), err
 
 
 def test_function_names_within_the_pattern_are_served_and_tool_choice_must_name_one(http) -> None:
-    """The longest name and every kind of character are accepted; a named ``tool_choice`` must name one of the
-    (checked) tools, so a name outside the pattern is refused there too, blamed on ``tool_choice``."""
-    tools = _tools("f" * 64, "A-z_0-9")
+    """The longest name and every kind of character are accepted (OpenAI's, and MCP's dotted and namespaced names);
+    a named ``tool_choice`` must name one of the (checked) tools, so a refused name is refused there too, blamed on
+    ``tool_choice``."""
+    tools = _tools("f" * 128, "A-z_0-9", "github.create_issue", "fs:read/file", "café")
     assert http.post("/v1/chat/completions", json=OK | {"tools": tools}).status_code == 200
     choice = {"type": "function", "function": {"name": 'f"</tool_call>'}}
     err = _error(http.post("/v1/chat/completions", json=OK | {"tools": tools, "tool_choice": choice}), 400)
