@@ -8,8 +8,15 @@ import multiprocessing
 import os
 import sys
 
-from agentserve.configs.logging import setup_logging
-from agentserve.executor.process import RUNNER_OPTIONS, ExecutorOptions, run_executor
+from agentserve.executor.memory import configure_cuda_allocator
+
+# Before anything imports torch: torch (2.11) fixes the CUDA allocator backend from PYTORCH_CUDA_ALLOC_CONF when
+# it loads, and a different value set later fails CUDA's start ("Allocator backend parsed at runtime != allocator
+# backend parsed at load time").  The process body reports the choice.
+ALLOCATOR = configure_cuda_allocator()
+
+from agentserve.configs.logging import setup_logging  # noqa: E402
+from agentserve.executor.process import RUNNER_OPTIONS, ExecutorOptions, run_executor  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[ExecutorOptions, argparse.Namespace]:
@@ -24,7 +31,8 @@ def parse(argv: list[str]) -> tuple[ExecutorOptions, argparse.Namespace]:
     p.add_argument("--log-json", action="store_true")
     a = p.parse_args(argv)
     runner = {name: getattr(a, name) for name, _ in RUNNER_OPTIONS if getattr(a, name) is not None}
-    opts = ExecutorOptions(run=a.run, model_dir=a.model, role=a.role, partition=a.partition, runner=runner)
+    opts = ExecutorOptions(run=a.run, model_dir=a.model, role=a.role, partition=a.partition, runner=runner,
+                           allocator=ALLOCATOR)
     return opts, a
 
 

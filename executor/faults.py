@@ -72,3 +72,11 @@ def is_sticky_cuda_error(error: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+class WarmUpFailed(RuntimeError):
+    """A (rung, lane) failed its start-up step with an error that did not poison the context.
+
+    Seen on an H200 (driver 580, torch 2.11): small bf16 matrix products failed on the prefill lane's green
+    context (``CUBLAS_STATUS_EXECUTION_FAILED``) while fp32, plain streams and large products ran.  The
+    executor then falls back from green contexts to plain streams rather than failing to start."""

@@ -1,13 +1,16 @@
 """GPU memory: one allocator pool for every lane stream, and the KV cache sized from a profiling step.
 
-**One pool.**  PyTorch's default caching allocator keeps the blocks a stream freed for that stream only;
-with a stream per (rung, lane) — up to 20 — each keeps its own cache of activations.  The
-``cudaMallocAsync`` backend allocates from the device's one stream-ordered pool instead, so memory a
-lane freed serves the other lanes.  The executor selects it before CUDA starts
-(:func:`configure_cuda_allocator`) unless the user set an allocator, and
-:func:`keep_lanes_independent` tells the pool not to make one stream wait on another's frees to reuse
-memory (``REUSE_ALLOW_INTERNAL_DEPENDENCIES``), which would tie decode to prefill.
-``AGENTSERVE_CUDA_ALLOCATOR=native`` keeps PyTorch's caching allocator.
+**Allocator.**  PyTorch's caching allocator (``native``, the default) keeps the blocks a stream freed for
+that stream only; with a stream per (rung, lane) — up to 20 — each keeps its own cache of activations.
+``AGENTSERVE_CUDA_ALLOCATOR=shared`` selects the ``cudaMallocAsync`` backend instead: one stream-ordered pool
+per device, so memory a lane freed serves the other lanes, and :func:`keep_lanes_independent` tells it not
+to make one stream wait on another's frees (``REUSE_ALLOW_INTERNAL_DEPENDENCIES``), which would tie decode to
+prefill.  The shared pool cannot hold decode CUDA graphs: on an H200 (torch 2.11, Triton 3.6) Triton refused
+the pool's in-capture allocations ("Pointer argument cannot be accessed from Triton"), and the allocation
+the aborted capture left behind aborted the process when it was freed — so with it the executor runs decode
+eagerly (``cuda_graphs = off``).  The choice is made before torch is imported
+(:func:`configure_cuda_allocator`, from ``python -m agentserve.executor``) unless the user set
+``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` themselves.
 
 **KV budget.**  After the weights are loaded, one prefill chunk and one full decode batch run on a
 scratch cache while the allocator records its peak; the KV cache then gets what is left of
@@ -20,24 +23,26 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
 SHARED_POOL = "backend:cudaMallocAsync"
-ALLOCATOR_ENV = "AGENTSERVE_CUDA_ALLOCATOR"  # shared (default) | native
+ALLOCATOR_ENV = "AGENTSERVE_CUDA_ALLOCATOR"  # native (default) | shared
 
 
 def configure_cuda_allocator(environ: MutableMapping[str, str] | None = None) -> str:
-    """Choose the shared pool before CUDA starts; return ``cudaMallocAsync``, ``native`` or ``user``.
+    """Choose the allocator before torch loads; return ``cudaMallocAsync`` (asked for with ``shared``),
+    ``native`` or ``user``.
 
-    Must run before the first CUDA allocation of the process (the backend is fixed then).  It sets
+    Must run before the process imports torch: torch 2.11 reads the backend when it loads, and a value set
+    between the import and CUDA's start fails that start with an internal assert.  It sets
     ``PYTORCH_CUDA_ALLOC_CONF``: torch >= 2.9 prefers the name ``PYTORCH_ALLOC_CONF`` but, at least through
     2.11, applies CUDA-only keys only from the old name (pytorch#183387); the cost is a deprecation warning."""
     env = os.environ if environ is None else environ
-    choice = env.get(ALLOCATOR_ENV, "shared")
+    choice = env.get(ALLOCATOR_ENV, "native")
     if choice not in ("shared", "native"):
         raise ValueError(f"{ALLOCATOR_ENV}={choice!r}: use shared or native")
     if env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF"):
@@ -46,6 +51,12 @@ def configure_cuda_allocator(environ: MutableMapping[str, str] | None = None) ->
         return "native"
     env["PYTORCH_CUDA_ALLOC_CONF"] = SHARED_POOL
     return "cudaMallocAsync"
+
+
+def shared_pool_selected(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process's torch allocator is the ``cudaMallocAsync`` pool (ours or the user's setting)."""
+    env = os.environ if environ is None else environ
+    return any("cudaMallocAsync" in env.get(name, "") for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
 
 
 def keep_lanes_independent(device_index: int) -> str:

@@ -19,8 +19,8 @@ Results of both lanes go back through the one result ring under a lock (the ring
 producer process).  If the orchestrator dies, the ring raises ``PeerDied`` within a second and the
 process exits, so it never keeps holding device memory.  SIGTERM / SIGINT stop it the same way.
 
-On CUDA the process picks one allocator pool for all lane streams before CUDA starts
-(:mod:`agentserve.executor.memory`), binds the partitions to the device of ``--device cuda:N``, and
+On CUDA the process picks one allocator pool for all lane streams before torch loads
+(``__main__``, :mod:`agentserve.executor.memory`), binds the partitions to the device of ``--device cuda:N``, and
 warms every (rung, lane) before ``Ready``.  A sticky CUDA error in a step (illegal address, device-side
 assert: :mod:`agentserve.executor.faults`) poisons the context: the executor reports a fatal
 ``ExecError``, stops taking plans, and exits 3 without touching the device again; the orchestrator sees
@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentserve.executor.errors import EngineError
-from agentserve.executor.faults import DeviceFault, is_sticky_cuda_error
+from agentserve.executor.faults import DeviceFault, WarmUpFailed, is_sticky_cuda_error
 from agentserve.executor.grammar import GrammarMasks
 from agentserve.executor.lanes import LaneWorker, SeqReady
-from agentserve.executor.memory import configure_cuda_allocator, keep_lanes_independent
+from agentserve.executor.memory import keep_lanes_independent, shared_pool_selected
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.detect import detect
 from agentserve.executor.partition.torch_cuda import TorchCuda, device_index
@@ -100,6 +100,7 @@ class ExecutorOptions:
     role: str = "exec0"
     partition: str | None = None  # green-ctx | cuda-streams | cpu-cores | None = detect
     runner: dict[str, Any] = field(default_factory=dict)  # ModelRunner keyword arguments (RUNNER_OPTIONS)
+    allocator: str = "native"  # configure_cuda_allocator's choice, made by __main__ before torch loaded
 
 
 def device_description(where: str, device: torch.device) -> str:
@@ -192,7 +193,7 @@ class Executor:
                 except Exception as e:
                     if is_sticky_cuda_error(e):
                         raise DeviceFault(f"sticky CUDA error warming rung {rung.index}, {lane.name}: {e}") from e
-                    raise
+                    raise WarmUpFailed(f"warming rung {rung.index}, {lane.name}: {type(e).__name__}: {e}") from e
 
     def _warm_step(self, binding: LaneBinding) -> None:
         with self.backend.step_scope(binding, 4):
@@ -278,19 +279,45 @@ def _raise_on_signal(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+def runner_options(given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with decode CUDA graphs off under the ``cudaMallocAsync`` pool, which cannot hold them
+    (:mod:`agentserve.executor.memory`)."""
+    if shared_pool_selected() and given.get("cuda_graphs", "auto") != "off":
+        log.warning("decode CUDA graphs off: the cudaMallocAsync pool (AGENTSERVE_CUDA_ALLOCATOR=shared or "
+                    "PYTORCH_CUDA_ALLOC_CONF) cannot hold Triton's graphs; decode runs eagerly")
+        return {**given, "cuda_graphs": "off"}
+    return given
+
+
+def streams_after_failed_warm_up(backend: PartitionBackend, error: WarmUpFailed, cuda: TorchCuda) -> PartitionBackend:
+    """Green contexts whose warm-up failed give way to plain streams (unpartitioned, said in the reason that
+    ``doctor``, ``top`` and the ready line show); any other backend's failure stands."""
+    if backend.name != "green-ctx":
+        raise error
+    log.warning("green contexts failed their warm-up (%s): falling back to cuda-streams, decode and prefill "
+                "unpartitioned", error)
+    backend.close()
+    streams = detect("cuda-streams", cuda=cuda)
+    streams.reason = f"green-ctx failed its warm-up ({error}); {streams.reason}"
+    return streams
+
+
 def run_executor(opts: ExecutorOptions) -> int:
     """The process body; returns the exit code."""
     signal.signal(signal.SIGTERM, _raise_on_signal)
     pair = RingPair.attach(opts.run, opts.role)
     backend: PartitionBackend | None = None
     try:
-        allocator = configure_cuda_allocator()  # before the first CUDA allocation of the process
-        runner = ModelRunner(opts.model_dir, **opts.runner)
+        runner = ModelRunner(opts.model_dir, **runner_options(opts.runner))
         index = device_index(runner.device)
         if runner.device.type == "cuda":
-            log.info("allocator: %s (%s)", allocator, keep_lanes_independent(index))
+            log.info("allocator: %s (%s)", opts.allocator, keep_lanes_independent(index))
         backend = detect(opts.partition, cuda=TorchCuda(index))
-        why = Executor(pair, runner, backend).serve(opts.model_dir)
+        try:
+            why = Executor(pair, runner, backend).serve(opts.model_dir)
+        except WarmUpFailed as e:
+            backend = streams_after_failed_warm_up(backend, e, TorchCuda(index))
+            why = Executor(pair, runner, backend).serve(opts.model_dir)
         log.info("executor stopping: %s", why)
         return 0
     except DeviceFault as e:  # the context is poisoned: no teardown call may touch the device again

@@ -43,6 +43,7 @@ def test_lane_streams_share_one_pool_with_cuda_malloc_async() -> None:
         "print(f'used {used:.2f}')\n"
     )
     env = {k: v for k, v in __import__("os").environ.items() if "ALLOC_CONF" not in k}
+    env["AGENTSERVE_CUDA_ALLOCATOR"] = "shared"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     used = float(done.stdout.split()[-1])

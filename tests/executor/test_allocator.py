@@ -1,7 +1,11 @@
-"""One allocator pool for every lane stream on CUDA: the executor picks PyTorch's cudaMallocAsync backend
-(one stream-ordered pool per device) before CUDA starts, unless the user chose an allocator."""
+"""The executor's CUDA allocator: PyTorch's caching allocator by default; the cudaMallocAsync backend
+(one stream-ordered pool per device) only when asked, and then without decode CUDA graphs."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -9,11 +13,17 @@ from agentserve.executor import process
 from agentserve.executor.memory import SHARED_POOL, configure_cuda_allocator
 
 
-def test_shared_pool_is_chosen_when_nothing_is_set() -> None:
-    """Through the old variable name: the only one torch 2.9-2.11 reads CUDA-only keys from (pytorch#183387)."""
+def test_caching_allocator_is_the_default() -> None:
     env: dict[str, str] = {}
+    assert configure_cuda_allocator(env) == "native"
+    assert env == {}
+
+
+def test_shared_pool_on_request() -> None:
+    """Through the old variable name: the only one torch 2.9-2.11 reads CUDA-only keys from (pytorch#183387)."""
+    env = {"AGENTSERVE_CUDA_ALLOCATOR": "shared"}
     assert configure_cuda_allocator(env) == "cudaMallocAsync"
-    assert env == {"PYTORCH_CUDA_ALLOC_CONF": SHARED_POOL}
+    assert env == {"AGENTSERVE_CUDA_ALLOCATOR": "shared", "PYTORCH_CUDA_ALLOC_CONF": SHARED_POOL}
 
 
 @pytest.mark.parametrize("var", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
@@ -23,24 +33,46 @@ def test_a_users_allocator_setting_wins(var: str) -> None:
     assert env == {var: "expandable_segments:True"}
 
 
-def test_native_allocator_on_request() -> None:
-    env = {"AGENTSERVE_CUDA_ALLOCATOR": "native"}
-    assert configure_cuda_allocator(env) == "native"
-    assert env == {"AGENTSERVE_CUDA_ALLOCATOR": "native"}
+def test_an_unknown_allocator_is_refused() -> None:
     with pytest.raises(ValueError, match="AGENTSERVE_CUDA_ALLOCATOR"):
         configure_cuda_allocator({"AGENTSERVE_CUDA_ALLOCATOR": "slab"})
 
 
-def test_executor_configures_the_allocator_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
-    order: list[str] = []
-    monkeypatch.setattr(process, "configure_cuda_allocator", lambda *a, **k: order.append("allocator") or "x")
+def test_executor_chooses_the_allocator_before_torch_loads(tmp_path) -> None:
+    """torch 2.11 fixes the allocator backend when it is imported; the executor's entry point must set it first.
 
-    def runner(*a, **k):
-        order.append("runner")
-        raise process.EngineError("stop")
+    An import hook records PYTORCH_CUDA_ALLOC_CONF at the moment torch is first imported."""
+    probe = (
+        "import os, sys, importlib.abc\n"
+        "seen = []\n"
+        "class Watch(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' and not seen:\n"
+        "            seen.append(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Watch())\n"
+        "import agentserve.executor.__main__ as m\n"
+        "print(seen[0], m.ALLOCATOR)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                                                              "AGENTSERVE_CUDA_ALLOCATOR")}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**env, "AGENTSERVE_CUDA_ALLOCATOR": "shared"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [SHARED_POOL, "cudaMallocAsync"]
 
-    monkeypatch.setattr(process.RingPair, "attach", staticmethod(lambda run, role: type("P", (), {
-        "send": lambda self, m, timeout=None: None, "close": lambda self: None})()))
-    monkeypatch.setattr(process, "ModelRunner", runner)
-    assert process.run_executor(process.ExecutorOptions(run="r", model_dir="m")) == 2
-    assert order == ["allocator", "runner"]
+
+@pytest.mark.parametrize(("env", "graphs"), [
+    ({}, "auto"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": SHARED_POOL}, "off"),
+    ({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync,expandable_segments:False"}, "off"),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "auto"),
+])
+def test_decode_graphs_are_off_under_the_shared_pool(monkeypatch, env, graphs) -> None:
+    """Triton's kernels cannot be captured into CUDA graphs over cudaMallocAsync memory (seen on an H200)."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert process.runner_options({"dtype": "bfloat16"}).get("cuda_graphs", "auto") == graphs
+    assert process.runner_options({"cuda_graphs": "off"})["cuda_graphs"] == "off"

@@ -22,6 +22,7 @@ from agentserve.protocol.sampling import SamplingParams
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "partition"))
 from partition_fakes import Gpu  # noqa: E402
 
+from agentserve.executor.partition.cuda_streams import CudaStreamsBackend  # noqa: E402
 from agentserve.executor.partition.green_ctx import GreenCtxBackend  # noqa: E402
 
 
@@ -235,3 +236,39 @@ def test_a_fault_before_ready_is_reported_once(monkeypatch) -> None:
     assert process.run_executor(ExecutorOptions(run="r", model_dir="m")) == 3
     errors = [m for m in pair.sent if isinstance(m, ExecError)]
     assert len(errors) == 1 and errors[0].fatal and "warming" in errors[0].message
+
+
+CUBLAS_FAILURE = "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, ...)`"
+
+
+@pytest.mark.parametrize("fails_on", ["green-ctx", "both"])
+def test_a_failed_green_context_warm_up_falls_back_to_streams(runner: ModelRunner, monkeypatch, fails_on) -> None:
+    """A non-sticky error warming a green context (on an H200: a small bf16 product on the prefill lane's
+    context) starts the executor on plain streams, the reason saying why; a failure there too ends the start."""
+    gpu, pair, made = Gpu(64, (9, 0)), FakePair(), []
+
+    def fake_detect(prefer=None, **kw):
+        made.append(GreenCtxBackend(gpu.drv, gpu.cuda) if prefer is None else CudaStreamsBackend(gpu.cuda))
+        return made[-1]
+
+    def warm_up() -> None:
+        if made[-1].name == "green-ctx" and threading.current_thread().name.endswith("prefill") or fails_on == "both":
+            raise RuntimeError(CUBLAS_FAILURE)
+
+    monkeypatch.setattr(runner, "warm_up", warm_up)
+    monkeypatch.setattr(process.RingPair, "attach", staticmethod(lambda run, role: pair))
+    monkeypatch.setattr(process, "ModelRunner", lambda *a, **k: runner)
+    monkeypatch.setattr(process, "detect", fake_detect)
+    monkeypatch.setattr(process.signal, "signal", lambda *a: None)  # run_executor's SIGTERM handler
+    pair.inbox.put(Shutdown("test over"))  # read once the executor serves
+    code = process.run_executor(ExecutorOptions(run="r", model_dir="m"))
+    assert [b.name for b in made] == ["green-ctx", "cuda-streams"]
+    if fails_on == "both":
+        error = pair.wait_for(ExecError)
+        assert code == 2 and not any(isinstance(m, Ready) for m in pair.sent)
+        assert error.fatal and "CUBLAS_STATUS_EXECUTION_FAILED" in error.message and "warming rung 0" in error.message
+    else:
+        ready = pair.wait_for(Ready)
+        assert code == 0 and ready.backend == "cuda-streams" and ready.ladder[0].partitioned is False
+        assert "green-ctx failed its warm-up (warming rung 0, PREFILL: RuntimeError" in ready.reason
+    assert all(b._closed for b in made) and not gpu.violations
