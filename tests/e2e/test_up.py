@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import zmq
 from rich.console import Console
-from up_server import UpServer
+from up_server import DEVICE, UpServer
 
 from agentserve.cli.top_view import render
 from agentserve.client import AgentClient, ExecutorFailed, InvalidRequest, InvalidSampling, PromptTooLong
@@ -73,7 +73,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 def reference():
     """Offline generation on the same weights: one sequence, prefill then decode, no scheduler."""
     model = resolve_model("tiny")
-    runner = ModelRunner(model, dtype="float32", device="cpu", num_blocks=256)
+    runner = ModelRunner(model, dtype="float32", device=DEVICE, num_blocks=256)
     tok = Tokenizer.from_dir(model)
 
     def generate(prompt: list[int], params: SamplingParams) -> list[int]:
@@ -156,7 +156,7 @@ def test_top_once_json_shows_sessions(server: UpServer) -> None:
         snap = json.loads(out.stdout)
         names = {row["name"] for row in snap["sessions"]}
         assert {f"watch{i}" for i in range(4)} <= names
-        assert snap["partition"]["backend"] == "cpu-cores"
+        assert snap["partition"]["backend"] == ("cpu-cores" if DEVICE == "cpu" else "green-ctx")
         assert snap["kv"]["total_blocks"] == 512 and snap["turns_done"] >= 4
         # The dashboard renders real stats at 80 columns and wide.
         data = client.stats()

@@ -1,11 +1,17 @@
-"""``agentserve up --model tiny`` in a subprocess, for the end-to-end tests."""
+"""``agentserve up --model tiny`` in a subprocess, for the end-to-end tests.
+
+``AGENTSERVE_TEST_DEVICE`` (default ``cpu``) is the device the server and the tests' offline reference run on:
+``cuda`` runs the same tests through the GPU path (scripts/gpu_serve_check.sh does, on the device machine)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import uuid
 from pathlib import Path
+
+DEVICE = os.environ.get("AGENTSERVE_TEST_DEVICE", "cpu")
 
 
 class UpServer:
@@ -16,7 +22,8 @@ class UpServer:
         self.trace = tmp / "steps.jsonl"
         cmd = ["agentserve", "up", "--model", "tiny", "--run", self.run, "--endpoint", self.endpoint]
         cmd += ["--trace-steps", str(self.trace)]
-        cmd += ["--dtype", "float32", "--num-blocks", "512", "--max-model-len", "2048", *(extra_args or [])]
+        cmd += ["--device", DEVICE, "--dtype", "float32", "--num-blocks", "512", "--max-model-len", "2048"]
+        cmd += extra_args or []
         self.log_path = tmp / "up.log"
         self.log = open(self.log_path, "w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
