@@ -5,19 +5,16 @@
 #
 # Runs scripts/gpu_probe.py (sections: environment, sm_resource, sm_map, events_graph, physics, model,
 # memory, ring, pytest_gpu); results go to $OUT (the device tool's folder) or /tmp/agentserve-gpu-check:
-# probe.jsonl (one JSON line per section), summary.txt, gpu_check.log, pytest_gpu.txt, memory_*.json.
+# probe.jsonl (one JSON line per section; appended), summary.txt, gpu_check.log (appended), pytest_gpu.txt,
+# memory_*.json, attention.jsonl.
 # Nothing is fetched: the wheels the device image lacks (scripts/gpu_wheels.txt) are installed from
-# .whl/ when that folder is there (docs/gpu.md says how to pip download them), into /tmp/site.
+# .whl/ when that folder is there (docs/gpu.md says how to pip download them), into /tmp/site (gpu_env.sh).
+# scripts/gpu_serve_check.sh is the second half of the device run: the server itself on the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-/tmp/agentserve-gpu-check}
 mkdir -p "$OUT_DIR"
-PY=${PYTHON:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 timeout "${PROBE_TIMEOUT:-420}" "$PY" scripts/gpu_probe.py --out "$OUT_DIR" --budget-s "${PROBE_BUDGET:-380}" "$@" \
-  2>&1 | tee "$OUT_DIR/gpu_check.log"
+  2>&1 | tee -a "$OUT_DIR/gpu_check.log"
 exit "${PIPESTATUS[0]}"

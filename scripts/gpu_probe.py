@@ -54,6 +54,8 @@ def sections() -> list:
                 partitions.sm_map, partitions.plan_only("distinct SMs per (rung, lane) and their overlap")),
         Section("events_graph", "events and a CUDA graph across streams of different green contexts", 10,
                 partitions.events_graph, partitions.plan_only("cross-context event order; graph replay SMs")),
+        Section("gemm_lanes", "which bf16/fp32 products (1-8192 rows, bias or not) run on each lane's stream",
+                40, subprocs.gemm_lanes, subprocs.gemm_lanes_dry),
         Section("physics", "bf16 GEMM on prefill beside a bandwidth-bound copy on decode, per rung", 35,
                 physics.physics, physics.physics_dry),
         Section("model", "1B bf16 decode b32@2k alone / beside 8k prefill / time-sliced; GIL control; switching",

@@ -17,7 +17,7 @@ DEVICE_IMAGE = frozenset({
     "packaging", "filelock", "typing_extensions", "huggingface_hub",
 })
 OURS = frozenset({"agentserve", "probe", "lane_check", "bench_ring", "gpu_probe", "gpu_probe_attention"})
-CARRIED = frozenset({"msgspec", "zmq", "posix_ipc", "llguidance"})
+CARRIED = frozenset({"msgspec", "zmq", "posix_ipc", "llguidance", "starlette", "uvicorn"})
 
 
 def foreign_imports(repo: Path) -> dict[str, list[str]]:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ["environment", "sm_resource", "sm_map", "events_graph", "physics", "model", "attention", "memory", "ring",
-            "pytest_gpu"]
+SECTIONS = ["environment", "sm_resource", "sm_map", "events_graph", "gemm_lanes", "physics", "model", "attention",
+            "memory", "ring", "pytest_gpu"]
 
 
 def _probe(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -51,5 +51,6 @@ def test_carried_wheels_are_the_probe_allowlist() -> None:
     lines = [ln for ln in (ROOT / "scripts" / "gpu_wheels.txt").read_text().splitlines() if ln and ln[0] != "#"]
     names = {ln.split("==")[0] for ln in lines}
     assert all("==" in ln for ln in lines), "every carried wheel is pinned"
-    import_names = {"msgspec": "msgspec", "pyzmq": "zmq", "posix-ipc": "posix_ipc", "llguidance": "llguidance"}
+    import_names = {"msgspec": "msgspec", "pyzmq": "zmq", "posix-ipc": "posix_ipc", "llguidance": "llguidance",
+                    "starlette": "starlette", "uvicorn": "uvicorn"}
     assert {import_names[n] for n in names} == set(CARRIED)
