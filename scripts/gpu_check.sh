@@ -3,8 +3,8 @@
 #
 #   scripts/gpu_check.sh [gpu_probe.py options]
 #
-# Runs scripts/gpu_probe.py (sections: environment, sm_resource, sm_map, events_graph, physics, model,
-# memory, ring, pytest_gpu); results go to $OUT (the device tool's folder) or /tmp/agentserve-gpu-check:
+# Runs scripts/gpu_probe.py (sections: environment, sm_resource, sm_map, events_graph, gemm_lanes, physics,
+# model, attention, memory, ring, pytest_gpu); results go to $OUT (the device tool's folder) or /tmp/agentserve-gpu-check:
 # probe.jsonl (one JSON line per section; appended), summary.txt, gpu_check.log (appended), pytest_gpu.txt,
 # memory_*.json, attention.jsonl.
 # Nothing is fetched: the wheels the device image lacks (scripts/gpu_wheels.txt) are installed from

@@ -19,3 +19,4 @@ chmod +x "$AS_SHIM/bin/agentserve"
 export PYTHONPATH=$AS_SHIM${PYTHONPATH:+:$PYTHONPATH}
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 export PATH=$AS_SHIM/bin:$PATH PYTHONUNBUFFERED=1
+export MATRIX_ENV=${MATRIX_ENV:-/tmp/agentserve-start-matrix.env}  # gpu_start_matrix.sh -> gpu_serve_check.sh

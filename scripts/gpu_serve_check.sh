@@ -37,10 +37,10 @@ bench() {
   local logs=/tmp/agentserve-bench-logs extra=()
   mkdir -p "$logs"
   # the setting gpu_start_matrix.sh found to reach ready, when it ran first and the defaults did not
-  if [ -s "$OUT_DIR/start_matrix.env" ]; then
-    source "$OUT_DIR/start_matrix.env"
+  if [ -s "$MATRIX_ENV" ]; then
+    source "$MATRIX_ENV"
     for a in ${MATRIX_UP_ARGS:-}; do extra+=("--server-arg=$a"); done
-    echo "bench with the start matrix's setting: $(tr '\n' ' ' < "$OUT_DIR/start_matrix.env")" | tee -a "$LOG"
+    echo "bench with the start matrix's setting: $(tr '\n' ' ' < "$MATRIX_ENV")" | tee -a "$LOG"
   fi
   timeout "${SERVE_BENCH_S:-150}" agentserve bench --workload react --agents "${SERVE_AGENTS:-8}" \
     --policies agentserve,fcfs --warmup 5 --duration "${SERVE_DURATION:-20}" --model bench "${extra[@]}" \

@@ -5,8 +5,10 @@
 #
 #   scripts/gpu_start_matrix.sh [MODEL]        (default: bench)
 #
-# Prints one line per case, "ready" or "FAILED: <the first error line>", and writes the first setting that reached
-# ready after the baseline and launch-blocking cases as `export ...` lines to $OUT/start_matrix.env (sourced by gpu_serve_check.sh's bench).
+# Prints one line per case, "ready (<partition backend>)" or "FAILED: <the first error line>" (and the log's
+# tail to serve_check.log); a green-ctx warm-up failure shows as ready on cuda-streams (the executor's fallback).
+# Writes the first setting that reached ready, when the baseline did not, as `export ...` lines to $MATRIX_ENV
+# (gpu_env.sh; gpu_serve_check.sh's bench sources it).
 # The `launch-blocking` case (CUDA_LAUNCH_BLOCKING=1) reports an asynchronous fault at the launch that made it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +18,7 @@ source scripts/gpu_env.sh
 MODEL=${1:-bench}
 WAIT_S=${MATRIX_WAIT_S:-40}
 LOG=$OUT_DIR/serve_check.log
-: > "$OUT_DIR/start_matrix.env"
+: > "$MATRIX_ENV"
 found=""
 try() {  # try LABEL "ENV ASSIGNMENTS" UP-ARGS...
   local label=$1 envs=$2; shift 2
@@ -26,7 +28,9 @@ try() {  # try LABEL "ENV ASSIGNMENTS" UP-ARGS...
     --no-restart "$@" > "$dir/out" 2> "$dir/err" &
   local pid=$! t=0 state="FAILED: no ready line in ${WAIT_S}s"
   while [ "$t" -lt "$((WAIT_S * 4))" ]; do
-    if grep -q "ready on" "$dir/out"; then state=ready; break; fi
+    if grep -q "ready on" "$dir/out"; then
+      state="ready ($(grep -m1 -o -E "green-ctx|cuda-streams|cpu-cores" "$dir/out"))"; break
+    fi
     if ! kill -0 "$pid" 2>/dev/null; then
       state="FAILED: $( (grep -m1 "^agentserve up:" "$dir/err" || tail -n1 "$dir/err") | cut -c1-300)"
       break
@@ -35,12 +39,12 @@ try() {  # try LABEL "ENV ASSIGNMENTS" UP-ARGS...
   done
   kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
   printf '%-28s %4ds  %s\n' "$label" "$((t / 4))" "$state" | tee -a "$LOG"
-  if [ "$state" != ready ]; then tail -n 30 "$dir/err" | cut -c1-400 >> "$LOG"; fi
-  if [ "$state" = ready ] && [ -z "$found" ] && [ "$label" != launch-blocking ]; then
+  if [ "${state%% *}" != ready ]; then tail -n 30 "$dir/err" | cut -c1-400 >> "$LOG"; fi
+  if [ "${state%% *}" = ready ] && [ -z "$found" ] && [ "$label" != launch-blocking ]; then
     found=$label  # the baseline itself: nothing to change, nothing written
     if [ "$label" != baseline ]; then
-      for kv in $envs; do echo "export $kv" >> "$OUT_DIR/start_matrix.env"; done
-      echo "export MATRIX_UP_ARGS='$*'" >> "$OUT_DIR/start_matrix.env"
+      for kv in $envs; do echo "export $kv" >> "$MATRIX_ENV"; done
+      echo "export MATRIX_UP_ARGS='$*'" >> "$MATRIX_ENV"
     fi
   fi
   rm -rf "$dir"
