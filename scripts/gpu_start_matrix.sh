@@ -7,8 +7,8 @@
 #
 # Prints one line per case, "ready (<partition backend>)" or "FAILED: <the first error line>" (and the log's
 # tail to serve_check.log); a green-ctx warm-up failure shows as ready on cuda-streams (the executor's fallback).
-# Writes the first setting that reached ready, when the baseline did not, as `export ...` lines to $MATRIX_ENV
-# (gpu_env.sh; gpu_serve_check.sh's bench sources it).
+# Writes the first setting that reached ready on green contexts, when the baseline did not, as `export ...` lines
+# to $MATRIX_ENV (gpu_env.sh; gpu_serve_check.sh's bench sources it).
 # The `launch-blocking` case (CUDA_LAUNCH_BLOCKING=1) reports an asynchronous fault at the launch that made it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ try() {  # try LABEL "ENV ASSIGNMENTS" UP-ARGS...
   kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
   printf '%-28s %4ds  %s\n' "$label" "$((t / 4))" "$state" | tee -a "$LOG"
   if [ "${state%% *}" != ready ]; then tail -n 30 "$dir/err" | cut -c1-400 >> "$LOG"; fi
-  if [ "${state%% *}" = ready ] && [ -z "$found" ] && [ "$label" != launch-blocking ]; then
+  if [ "$state" = "ready (green-ctx)" ] && [ -z "$found" ] && [ "$label" != launch-blocking ]; then
     found=$label  # the baseline itself: nothing to change, nothing written
     if [ "$label" != baseline ]; then
       for kv in $envs; do echo "export $kv" >> "$MATRIX_ENV"; done
@@ -51,12 +51,13 @@ try() {  # try LABEL "ENV ASSIGNMENTS" UP-ARGS...
 }
 echo "== $(date -u +%H:%M:%S) start matrix, model $MODEL" | tee -a "$LOG"
 try baseline ""
+try structured-prefill "AGENTSERVE_GREEN_PREFILL=structured"
 try launch-blocking "CUDA_LAUNCH_BLOCKING=1"
 try cuda-streams "" --partition cuda-streams
 try native-allocator "AGENTSERVE_CUDA_ALLOCATOR=native"
 try no-cublaslt-addmm "DISABLE_ADDMM_CUDA_LT=1"
 try torch-attention-no-graphs "AGENTSERVE_ENGINE_ATTENTION_BACKEND=torch AGENTSERVE_ENGINE_CUDA_GRAPHS=off"
 try float32 "" --dtype float32
-found=${found:-none}  # the cases below change the model: not a setting for the bench
+found=${found:-none}  # the case below changes the model: not a setting for the bench
 try tiny-bf16 "" --model tiny
-echo "first setting that reached ready: $found" | tee -a "$LOG"
+echo "first setting that reached ready on green contexts: $found" | tee -a "$LOG"

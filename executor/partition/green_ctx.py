@@ -15,6 +15,8 @@ failure tears down what was made and raises, so detection falls back with the re
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from agentserve.executor.partition.base import BackendUnavailable
@@ -33,6 +35,7 @@ from agentserve.protocol.lanes import Lane, Rung
 log = logging.getLogger(__name__)
 
 MIN_DRIVER = 12040  # green contexts appeared in CUDA 12.4
+PREFILL_GROUP_ENV = "AGENTSERVE_GREEN_PREFILL"
 NEEDED = (
     "cuDeviceGetDevResource",
     "cuDevResourceGenerateDesc",
@@ -60,6 +63,15 @@ def read_granularity(drv: Any, dev: Any, sm: Any) -> tuple[Granularity, str]:
     )
 
 
+def structured_prefill(environ: Mapping[str, str] | None = None) -> bool:
+    """``AGENTSERVE_GREEN_PREFILL``: ``remainder`` (default; prefill runs on what the decode group leaves) or
+    ``structured`` (prefill on a structured group of its own, :func:`~.sm_split.split_rung`)."""
+    value = (os.environ if environ is None else environ).get(PREFILL_GROUP_ENV, "remainder")
+    if value not in ("remainder", "structured"):
+        raise BackendUnavailable(f"{PREFILL_GROUP_ENV}={value!r}: use remainder or structured")
+    return value == "structured"
+
+
 class GreenCtxBackend(StreamBackend):
     name = "green-ctx"
     unit = "SMs"
@@ -71,6 +83,7 @@ class GreenCtxBackend(StreamBackend):
         self._contexts: list[Any] = []  # CUgreenCtx handles: destroyed after every stream
         self._streams: dict[int, dict[Lane, Any]] = {}  # rung index → lane → torch stream
         self._stream_api = ""
+        self._structured = structured_prefill()
         try:
             ladder, device, note = self._build(cuda.index, shares)
         except CudaCallError as e:
@@ -109,6 +122,7 @@ class GreenCtxBackend(StreamBackend):
             f"CUDA Green Contexts (driver CUDA {version_str(version)}): {total} SMs, {gran_note}; "
             f"{top} partitioned rungs, one split each, verified with cuGreenCtxGetDevResource; "
             f"streams from {self._stream_api}; top rung = plain streams"
+            + ("; prefill on structured groups (AGENTSERVE_GREEN_PREFILL)" if self._structured else "")
         )
         if notes:
             note += "; " + "; ".join(notes)
@@ -139,7 +153,7 @@ class GreenCtxBackend(StreamBackend):
         by_size: dict[int, RungSplit] = {}
         notes: list[str] = []
         for planned in build_ladder(total, gran, shares)[:-1]:
-            split, note = split_rung(self._drv, resource, planned.decode_units, total, gran)
+            split, note = split_rung(self._drv, resource, planned.decode_units, total, gran, self._structured)
             if split is None:
                 notes.append(f"{note}; rung dropped")
             elif split.decode_sms in by_size:

@@ -10,18 +10,20 @@ back are the rung's real sizes.  Rungs whose real sizes coincide are merged by t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from agentserve.executor.partition.driver import CudaCallError, call
 from agentserve.executor.partition.ladder import Granularity, legal_range
 
+log = logging.getLogger(__name__)
 CANNOT_FORM = (914, 915)  # CUDA_ERROR_INVALID_RESOURCE_TYPE / _CONFIGURATION: this split is not possible
 
 
 @dataclass
 class RungSplit:
-    """One split's two disjoint halves: the decode group and the prefill remainder."""
+    """One split's two disjoint halves: the decode group and the prefill group (or remainder)."""
 
     asked: int
     decode: Any
@@ -30,8 +32,25 @@ class RungSplit:
     prefill_sms: int
 
 
-def _one_split(drv: Any, resource: Any, decode_sms: int) -> tuple[Any, Any]:
-    """A group of (at least) ``decode_sms`` SMs and the remainder, from one split call."""
+def _one_split(drv: Any, resource: Any, decode_sms: int, total: int, gran: Granularity,
+               structured: bool) -> tuple[Any, Any]:
+    """The decode group of (at least) ``decode_sms`` SMs and the prefill side, from one split call.
+
+    Prefill runs on the split's remainder — unless ``structured`` (``AGENTSERVE_GREEN_PREFILL=structured``,
+    :mod:`.green_ctx`) and the driver has ``cuDevSmResourceSplit`` (CUDA 13): then both are structured groups,
+    prefill getting the rest rounded down to the alignment (the few SMs left over idle).  A remainder is
+    "unstructured", with no co-scheduling guarantee (the driver API notes), and on an H200 small bf16 products
+    failed on one (``CUBLAS_STATUS_EXECUTION_FAILED``) right after running on the structured decode group;
+    whether a structured prefill group avoids that is the next device session's question."""
+    prefill_sms = (total - decode_sms) // gran.align * gran.align
+    if structured and getattr(drv, "cuDevSmResourceSplit", None) is not None and prefill_sms >= gran.min_size:
+        try:
+            return _structured_pair(drv, resource, decode_sms, prefill_sms)
+        except CudaCallError as e:
+            if getattr(drv, "cuDevSmResourceSplitByCount", None) is None:
+                raise
+            log.info("no structured prefill group of %d SMs beside %d (%s): prefill takes the remainder",
+                     prefill_sms, decode_sms, e)
     if getattr(drv, "cuDevSmResourceSplitByCount", None) is not None:
         results, groups, remaining = call(drv, "cuDevSmResourceSplitByCount", 1, resource, 0, decode_sms)
         if int(groups) < 1 or not results:
@@ -43,7 +62,20 @@ def _one_split(drv: Any, resource: Any, decode_sms: int) -> tuple[Any, Any]:
     return out[0][0], out[-1]
 
 
-def split_rung(drv: Any, resource: Any, asked: int, total: int, gran: Granularity) -> tuple[RungSplit | None, str]:
+def _structured_pair(drv: Any, resource: Any, decode_sms: int, prefill_sms: int) -> tuple[Any, Any]:
+    params = []
+    for count in (decode_sms, prefill_sms):
+        p = drv.CU_DEV_SM_RESOURCE_GROUP_PARAMS()
+        p.smCount = count
+        params.append(p)
+    groups = call(drv, "cuDevSmResourceSplit", 2, resource, 0, params)[0]
+    if not groups or len(groups) < 2:
+        raise CudaCallError("cuDevSmResourceSplit", f"formed no groups of {decode_sms} and {prefill_sms} SMs", 915)
+    return groups[0], groups[1]
+
+
+def split_rung(drv: Any, resource: Any, asked: int, total: int, gran: Granularity,
+               structured: bool = False) -> tuple[RungSplit | None, str]:
     """The split for a rung that asks ``asked`` decode SMs, shrunk until the driver forms it; and a note.
 
     ``None`` when no legal size at or below ``asked`` can be formed.  Errors other than "cannot form"
@@ -54,7 +86,7 @@ def split_rung(drv: Any, resource: Any, asked: int, total: int, gran: Granularit
     size = asked
     while size >= lo:
         try:
-            decode, prefill = _one_split(drv, resource, size)
+            decode, prefill = _one_split(drv, resource, size, total, gran, structured)
         except CudaCallError as e:
             if e.code not in CANNOT_FORM:
                 raise

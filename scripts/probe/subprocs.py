@@ -5,6 +5,7 @@ reader, on the device box's 16 cores) and ``pytest_gpu`` (the test suite's GPU t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,9 +17,10 @@ RING_ARGS = ["--json", "--latency-msgs", "5000", "--parked-msgs", "100", "--thro
 RING_DRY_ARGS = ["--json", "--latency-msgs", "300", "--parked-msgs", "5", "--throughput-msgs", "2000"]
 
 
-def _run(cmd: list[str], timeout: float, cwd: Any) -> tuple[int | None, str, str]:
+def _run(cmd: list[str], timeout: float, cwd: Any, env: dict[str, str] | None = None) -> tuple[int | None, str, str]:
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1), cwd=cwd)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1), cwd=cwd,
+                              env=None if env is None else {**os.environ, **env})
     except subprocess.TimeoutExpired as e:
         return None, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timed out"
     return done.returncode, done.stdout, done.stderr
@@ -42,11 +44,13 @@ def ring_dry(ctx: Context, deadline: float) -> dict[str, Any]:
 
 def _gemm_lanes(ctx: Context, deadline: float, extra: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for thread in ("lane", "main"):
+    runs = [("lane", "lane", {}), ("main", "main", {}),  # prefill on the remainder, then on its own group:
+            ("lane_structured_prefill", "lane", {"AGENTSERVE_GREEN_PREFILL": "structured"})]
+    for i, (key, thread, env) in enumerate(runs):
         cmd = [sys.executable, str(ctx.repo / "scripts" / "gpu_gemm_lanes.py"), "--thread", thread, *extra]
-        code, stdout, err = _run(cmd, (deadline - time.monotonic()) / (2 if thread == "lane" else 1), ctx.repo)
+        code, stdout, err = _run(cmd, (deadline - time.monotonic()) / (len(runs) - i), ctx.repo, env)
         lines = stdout.strip().splitlines()
-        out[thread] = json.loads(lines[-1]) if lines else {"error": f"exit {code}", "stderr_tail": err[-2000:]}
+        out[key] = json.loads(lines[-1]) if lines else {"error": f"exit {code}", "stderr_tail": err[-2000:]}
     return out
 
 
