@@ -7,19 +7,31 @@ import logging
 import multiprocessing
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from agentserve.executor.memory import configure_cuda_allocator
 
-# Before anything imports torch: torch (2.11) fixes the CUDA allocator backend from PYTORCH_CUDA_ALLOC_CONF when
-# it loads, and a different value set later fails CUDA's start ("Allocator backend parsed at runtime != allocator
-# backend parsed at load time").  The process body reports the choice.
-ALLOCATOR = configure_cuda_allocator()
-
-from agentserve.configs.logging import setup_logging  # noqa: E402
-from agentserve.executor.process import RUNNER_OPTIONS, ExecutorOptions, run_executor  # noqa: E402
+if TYPE_CHECKING:
+    from agentserve.executor.process import ExecutorOptions
 
 
-def parse(argv: list[str]) -> tuple[ExecutorOptions, argparse.Namespace]:
+def choose_allocator() -> tuple[str, str]:
+    """:func:`configure_cuda_allocator`'s choice and ``""``, or ``""`` and why ``AGENTSERVE_CUDA_ALLOCATOR`` is
+    refused (reported to the orchestrator once the rings are attached).
+
+    Runs first in :func:`main`, before anything imports torch: torch (2.11) fixes its CUDA allocator backend
+    from ``PYTORCH_CUDA_ALLOC_CONF`` when it loads, and a value set later fails CUDA's start ("Allocator backend
+    parsed at runtime != allocator backend parsed at load time").  Importing this module chooses nothing."""
+    try:
+        return configure_cuda_allocator(), ""
+    except ValueError as e:
+        return "", str(e)
+
+
+def parse(argv: list[str], allocator: str = "native", allocator_error: str = "") -> tuple[ExecutorOptions,
+                                                                                          argparse.Namespace]:
+    from agentserve.executor.process import RUNNER_OPTIONS, ExecutorOptions
+
     p = argparse.ArgumentParser(prog="python -m agentserve.executor")
     p.add_argument("--run", required=True)
     p.add_argument("--role", default="exec0")
@@ -32,12 +44,16 @@ def parse(argv: list[str]) -> tuple[ExecutorOptions, argparse.Namespace]:
     a = p.parse_args(argv)
     runner = {name: getattr(a, name) for name, _ in RUNNER_OPTIONS if getattr(a, name) is not None}
     opts = ExecutorOptions(run=a.run, model_dir=a.model, role=a.role, partition=a.partition, runner=runner,
-                           allocator=ALLOCATOR)
+                           allocator=allocator, allocator_error=allocator_error)
     return opts, a
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts, a = parse(sys.argv[1:] if argv is None else argv)
+    allocator, allocator_error = choose_allocator()  # first: the imports below load torch
+    from agentserve.configs.logging import setup_logging
+    from agentserve.executor.process import run_executor
+
+    opts, a = parse(sys.argv[1:] if argv is None else argv, allocator, allocator_error)
     multiprocessing.current_process().name = "executor"
     setup_logging(a.log_level, a.log_json)
     return run_executor(opts)

@@ -29,6 +29,7 @@ it die and restarts it.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -42,8 +43,10 @@ from agentserve.executor.faults import DeviceFault, WarmUpFailed, is_sticky_cuda
 from agentserve.executor.grammar import GrammarMasks
 from agentserve.executor.lanes import LaneWorker, SeqReady
 from agentserve.executor.memory import keep_lanes_independent, shared_pool_selected
-from agentserve.executor.partition.base import LaneBinding, PartitionBackend
+from agentserve.executor.partition.base import BackendUnavailable, LaneBinding, PartitionBackend
+from agentserve.executor.partition.cuda_streams import CudaStreamsBackend
 from agentserve.executor.partition.detect import detect
+from agentserve.executor.partition.green_ctx import structured_prefill
 from agentserve.executor.partition.torch_cuda import TorchCuda, device_index
 from agentserve.executor.runner import ModelRunner
 from agentserve.executor.sequences import SequenceTable
@@ -101,6 +104,7 @@ class ExecutorOptions:
     partition: str | None = None  # green-ctx | cuda-streams | cpu-cores | None = detect
     runner: dict[str, Any] = field(default_factory=dict)  # ModelRunner keyword arguments (RUNNER_OPTIONS)
     allocator: str = "native"  # configure_cuda_allocator's choice, made by __main__ before torch loaded
+    allocator_error: str = ""  # why AGENTSERVE_CUDA_ALLOCATOR was refused (reported once the rings are attached)
 
 
 def device_description(where: str, device: torch.device) -> str:
@@ -193,7 +197,7 @@ class Executor:
                 except Exception as e:
                     if is_sticky_cuda_error(e):
                         raise DeviceFault(f"sticky CUDA error warming rung {rung.index}, {lane.name}: {e}") from e
-                    raise WarmUpFailed(f"warming rung {rung.index}, {lane.name}: {type(e).__name__}: {e}") from e
+                    raise WarmUpFailed(f"warming rung {rung.index}, {lane.name}: {type(e).__name__}: {e}") from None
 
     def _warm_step(self, binding: LaneBinding) -> None:
         with self.backend.step_scope(binding, 4):
@@ -289,16 +293,25 @@ def runner_options(given: dict[str, Any]) -> dict[str, Any]:
     return given
 
 
-def streams_after_failed_warm_up(backend: PartitionBackend, error: WarmUpFailed, cuda: TorchCuda) -> PartitionBackend:
-    """Green contexts whose warm-up failed give way to plain streams (unpartitioned, said in the reason that
-    ``doctor``, ``top`` and the ready line show); any other backend's failure stands."""
+def streams_after_failed_warm_up(backend: PartitionBackend, failure: str, cuda: TorchCuda) -> PartitionBackend:
+    """Green contexts whose warm-up failed give way to plain streams (unpartitioned, said in the backend's
+    reason: ``top`` and the log show it); any other backend's failure stands.
+
+    Called outside the ``except`` that caught the failure, after a garbage collection: the failed step's frames
+    held tensors made on a green context's stream, and under the ``cudaMallocAsync`` pool freeing them after
+    that stream is destroyed aborts the process."""
     if backend.name != "green-ctx":
-        raise error
+        raise WarmUpFailed(failure)
     log.warning("green contexts failed their warm-up (%s): falling back to cuda-streams, decode and prefill "
-                "unpartitioned", error)
+                "unpartitioned", failure)
+    gc.collect()
+    cuda.synchronize_device()
     backend.close()
-    streams = detect("cuda-streams", cuda=cuda)
-    streams.reason = f"green-ctx failed its warm-up ({error}); {streams.reason}"
+    try:
+        streams = CudaStreamsBackend(cuda)
+    except BackendUnavailable as e:
+        raise WarmUpFailed(f"{failure}; cuda-streams unavailable: {e}") from None
+    streams.reason = f"green-ctx failed its warm-up ({failure}); cuda-streams: {streams.reason}"
     return streams
 
 
@@ -308,15 +321,21 @@ def run_executor(opts: ExecutorOptions) -> int:
     pair = RingPair.attach(opts.run, opts.role)
     backend: PartitionBackend | None = None
     try:
+        if opts.allocator_error:
+            raise EngineError(opts.allocator_error)
         runner = ModelRunner(opts.model_dir, **runner_options(opts.runner))
         index = device_index(runner.device)
         if runner.device.type == "cuda":
             log.info("allocator: %s (%s)", opts.allocator, keep_lanes_independent(index))
+        structured_prefill()  # a typo there is an error here, not a silent fall-through to another backend
         backend = detect(opts.partition, cuda=TorchCuda(index))
+        why = failure = ""
         try:
             why = Executor(pair, runner, backend).serve(opts.model_dir)
         except WarmUpFailed as e:
-            backend = streams_after_failed_warm_up(backend, e, TorchCuda(index))
+            failure = str(e)  # only the text leaves this block: the traceback's frames hold device tensors
+        if failure:
+            backend = streams_after_failed_warm_up(backend, failure, TorchCuda(index))
             why = Executor(pair, runner, backend).serve(opts.model_dir)
         log.info("executor stopping: %s", why)
         return 0
@@ -326,7 +345,7 @@ def run_executor(opts: ExecutorOptions) -> int:
             _try_send(pair, ExecError(str(e), fatal=True))
         backend = None
         return 3
-    except (EngineError, ValueError) as e:
+    except (EngineError, ValueError, WarmUpFailed) as e:
         log.error("executor failed: %s", e)
         _try_send(pair, ExecError(str(e), fatal=True))
         return 2

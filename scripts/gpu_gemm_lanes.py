@@ -9,8 +9,9 @@ maps where it happens.  One process per call (a failure may leave cuBLAS unusabl
   python scripts/gpu_gemm_lanes.py --thread lane|main [--rungs 0,4,8,9] [--dry-run]
 
 ``lane``: on a LaneWorker thread bound to the lane, as the executor runs; ``main``: from the main thread on the
-lane's stream, as the physics section does.  Prints one JSON object: per (rung, lane) the cases that failed
-with their errors, and how many ran.  ``--dry-run``: cpu-cores lanes, fp32 only (any CPU machine).
+lane's stream, as the physics section does.  Prints JSON lines: the backend (and its reason), then per (rung,
+lane) as it finishes the cases that failed with their errors and how many ran, then the seconds taken.
+``--dry-run``: cpu-cores lanes, fp32 only (any CPU machine).
 """
 
 from __future__ import annotations
@@ -81,12 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     backend = detect("cpu-cores" if a.dry_run else None)
     device = "cpu" if a.dry_run else "cuda"
     cases = products(device, [torch.float32] if a.dry_run else [torch.bfloat16, torch.float32])
+    if not a.dry_run:
+        torch.cuda.synchronize()  # the inputs, made on the default stream, are ready for every lane's stream
     wanted = [int(r) for r in a.rungs.split(",")]
     rungs = [r.index for r in backend.ladder if r.index in wanted] or [backend.ladder[-1].index]
-    out: dict[str, Any] = {"backend": backend.name, "thread": a.thread, "rows": list(ROWS), "results": []}
+    print(json.dumps({"backend": backend.name, "reason": backend.reason, "thread": a.thread, "rows": list(ROWS)}),
+          flush=True)
     t0 = time.perf_counter()
     try:
-        for rung in rungs:
+        for rung in rungs:  # one line per (rung, lane) as it finishes: a run cut short keeps what it measured
             for lane in (Lane.DECODE, Lane.PREFILL):
                 if a.thread == "lane":
                     with LaneWorker(backend, lane, rung) as worker:
@@ -95,11 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                     with torch.cuda.stream(backend.stream_for(lane, rung)) if not a.dry_run else _nothing():
                         result = run_cases(cases)
                 r = backend.ladder[rung]
-                out["results"].append({"rung": rung, "lane": lane.name, "sms": r.decode_units if lane == Lane.DECODE
-                                       else r.prefill_units, **result})
+                sms = r.decode_units if lane == Lane.DECODE else r.prefill_units
+                print(json.dumps({"rung": rung, "lane": lane.name, "sms": sms, **result}), flush=True)
     finally:
-        out["seconds"] = round(time.perf_counter() - t0, 2)
-        print(json.dumps(out))
+        print(json.dumps({"seconds": round(time.perf_counter() - t0, 2)}), flush=True)
         backend.close()
     return 0
 

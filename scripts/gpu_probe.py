@@ -55,7 +55,7 @@ def sections() -> list:
         Section("events_graph", "events and a CUDA graph across streams of different green contexts", 10,
                 partitions.events_graph, partitions.plan_only("cross-context event order; graph replay SMs")),
         Section("gemm_lanes", "which bf16/fp32 products (1-8192 rows, bias or not) run on each lane's stream",
-                40, subprocs.gemm_lanes, subprocs.gemm_lanes_dry),
+                90, subprocs.gemm_lanes, subprocs.gemm_lanes_dry),
         Section("physics", "bf16 GEMM on prefill beside a bandwidth-bound copy on decode, per rung", 35,
                 physics.physics, physics.physics_dry),
         Section("model", "1B bf16 decode b32@2k alone / beside 8k prefill / time-sliced; GIL control; switching",

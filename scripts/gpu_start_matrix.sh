@@ -54,7 +54,7 @@ try baseline ""
 try structured-prefill "AGENTSERVE_GREEN_PREFILL=structured"
 try launch-blocking "CUDA_LAUNCH_BLOCKING=1"
 try cuda-streams "" --partition cuda-streams
-try native-allocator "AGENTSERVE_CUDA_ALLOCATOR=native"
+try shared-allocator "AGENTSERVE_CUDA_ALLOCATOR=shared"
 try no-cublaslt-addmm "DISABLE_ADDMM_CUDA_LT=1"
 try torch-attention-no-graphs "AGENTSERVE_ENGINE_ATTENTION_BACKEND=torch AGENTSERVE_ENGINE_CUDA_GRAPHS=off"
 try float32 "" --dtype float32

@@ -68,7 +68,7 @@ def structured_prefill(environ: Mapping[str, str] | None = None) -> bool:
     ``structured`` (prefill on a structured group of its own, :func:`~.sm_split.split_rung`)."""
     value = (os.environ if environ is None else environ).get(PREFILL_GROUP_ENV, "remainder")
     if value not in ("remainder", "structured"):
-        raise BackendUnavailable(f"{PREFILL_GROUP_ENV}={value!r}: use remainder or structured")
+        raise ValueError(f"{PREFILL_GROUP_ENV}={value!r}: use remainder or structured")
     return value == "structured"
 
 
@@ -122,7 +122,8 @@ class GreenCtxBackend(StreamBackend):
             f"CUDA Green Contexts (driver CUDA {version_str(version)}): {total} SMs, {gran_note}; "
             f"{top} partitioned rungs, one split each, verified with cuGreenCtxGetDevResource; "
             f"streams from {self._stream_api}; top rung = plain streams"
-            + ("; prefill on structured groups (AGENTSERVE_GREEN_PREFILL)" if self._structured else "")
+            + (f"; prefill on a structured group on {sum(s.structured for s in splits)} of {top} rungs "
+               "(AGENTSERVE_GREEN_PREFILL)" if self._structured else "")
         )
         if notes:
             note += "; " + "; ".join(notes)

@@ -30,11 +30,13 @@ class RungSplit:
     prefill: Any
     decode_sms: int
     prefill_sms: int
+    structured: bool = False  # prefill is a structured group of its own, not the remainder
 
 
 def _one_split(drv: Any, resource: Any, decode_sms: int, total: int, gran: Granularity,
-               structured: bool) -> tuple[Any, Any]:
-    """The decode group of (at least) ``decode_sms`` SMs and the prefill side, from one split call.
+               structured: bool) -> tuple[Any, Any, bool]:
+    """The decode group of (at least) ``decode_sms`` SMs, the prefill side, and whether that is a structured
+    group, from one split call.
 
     Prefill runs on the split's remainder — unless ``structured`` (``AGENTSERVE_GREEN_PREFILL=structured``,
     :mod:`.green_ctx`) and the driver has ``cuDevSmResourceSplit`` (CUDA 13): then both are structured groups,
@@ -45,21 +47,21 @@ def _one_split(drv: Any, resource: Any, decode_sms: int, total: int, gran: Granu
     prefill_sms = (total - decode_sms) // gran.align * gran.align
     if structured and getattr(drv, "cuDevSmResourceSplit", None) is not None and prefill_sms >= gran.min_size:
         try:
-            return _structured_pair(drv, resource, decode_sms, prefill_sms)
+            return (*_structured_pair(drv, resource, decode_sms, prefill_sms), True)
         except CudaCallError as e:
             if getattr(drv, "cuDevSmResourceSplitByCount", None) is None:
                 raise
-            log.info("no structured prefill group of %d SMs beside %d (%s): prefill takes the remainder",
-                     prefill_sms, decode_sms, e)
+            log.warning("no structured prefill group of %d SMs beside %d (%s): prefill takes the remainder",
+                        prefill_sms, decode_sms, e)
     if getattr(drv, "cuDevSmResourceSplitByCount", None) is not None:
         results, groups, remaining = call(drv, "cuDevSmResourceSplitByCount", 1, resource, 0, decode_sms)
         if int(groups) < 1 or not results:
             raise CudaCallError("cuDevSmResourceSplitByCount", f"formed no group of {decode_sms} SMs", 915)
-        return results[0], remaining
+        return results[0], remaining, False
     params = drv.CU_DEV_SM_RESOURCE_GROUP_PARAMS()
     params.smCount = decode_sms
     out = call(drv, "cuDevSmResourceSplit", 1, resource, 0, [params])
-    return out[0][0], out[-1]
+    return out[0][0], out[-1], False
 
 
 def _structured_pair(drv: Any, resource: Any, decode_sms: int, prefill_sms: int) -> tuple[Any, Any]:
@@ -86,7 +88,7 @@ def split_rung(drv: Any, resource: Any, asked: int, total: int, gran: Granularit
     size = asked
     while size >= lo:
         try:
-            decode, prefill = _one_split(drv, resource, size, total, gran, structured)
+            decode, prefill, paired = _one_split(drv, resource, size, total, gran, structured)
         except CudaCallError as e:
             if e.code not in CANNOT_FORM:
                 raise
@@ -96,7 +98,9 @@ def split_rung(drv: Any, resource: Any, asked: int, total: int, gran: Granularit
         got_d, got_p = int(decode.sm.smCount), int(prefill.sm.smCount)
         if got_d >= 1 and got_p >= gran.min_size and got_d + got_p <= total:
             note = "" if got_d == asked else f"asked {asked} SMs, the driver formed {got_d}"
-            return RungSplit(asked, decode, prefill, got_d, got_p), note
+            if structured and not paired:
+                note = "; ".join(n for n in (note, f"{got_d} SMs: prefill on the remainder") if n)
+            return RungSplit(asked, decode, prefill, got_d, got_p, paired), note
         last = f"a group of {size} SMs left {got_d}+{got_p} of {total}"
         size -= gran.align
     return None, f"asked {asked} SMs: no split formed ({last})"

@@ -79,3 +79,7 @@ class TorchCuda:
 
     def synchronize(self, stream: Any) -> None:
         stream.synchronize()
+
+    def synchronize_device(self) -> None:
+        """Wait for all work on the device (every stream of every context)."""
+        torch.cuda.synchronize(self.index)

@@ -49,9 +49,21 @@ def _gemm_lanes(ctx: Context, deadline: float, extra: list[str]) -> dict[str, An
     for i, (key, thread, env) in enumerate(runs):
         cmd = [sys.executable, str(ctx.repo / "scripts" / "gpu_gemm_lanes.py"), "--thread", thread, *extra]
         code, stdout, err = _run(cmd, (deadline - time.monotonic()) / (len(runs) - i), ctx.repo, env)
-        lines = stdout.strip().splitlines()
-        out[key] = json.loads(lines[-1]) if lines else {"error": f"exit {code}", "stderr_tail": err[-2000:]}
+        out[key] = {"exit_code": code, "lines": _json_lines(stdout)}
+        if code != 0:
+            out[key]["stderr_tail"] = err[-2000:]
     return out
+
+
+def _json_lines(text: str) -> list[Any]:
+    """Every line of ``text`` that parses as JSON (a child cut short may end mid-line, or print other things)."""
+    lines = []
+    for line in text.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            continue
+    return lines
 
 
 def gemm_lanes(ctx: Context, deadline: float) -> dict[str, Any]:

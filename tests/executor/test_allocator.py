@@ -41,9 +41,10 @@ def test_an_unknown_allocator_is_refused() -> None:
 def test_executor_chooses_the_allocator_before_torch_loads(tmp_path) -> None:
     """torch 2.11 fixes the allocator backend when it is imported; the executor's entry point must set it first.
 
-    An import hook records PYTORCH_CUDA_ALLOC_CONF at the moment torch is first imported."""
+    An import hook records PYTORCH_CUDA_ALLOC_CONF at the moment torch is first imported, while the entry point
+    runs as ``python -m agentserve.executor --help`` does (it imports everything, then argparse exits)."""
     probe = (
-        "import os, sys, importlib.abc\n"
+        "import os, sys, runpy, importlib.abc\n"
         "seen = []\n"
         "class Watch(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path=None, target=None):\n"
@@ -51,15 +52,38 @@ def test_executor_chooses_the_allocator_before_torch_loads(tmp_path) -> None:
         "            seen.append(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n"
         "        return None\n"
         "sys.meta_path.insert(0, Watch())\n"
-        "import agentserve.executor.__main__ as m\n"
-        "print(seen[0], m.ALLOCATOR)\n"
+        "import agentserve.executor.__main__\n"
+        "assert 'torch' not in sys.modules and 'PYTORCH_CUDA_ALLOC_CONF' not in os.environ, 'import chose'\n"
+        "sys.argv = ['python -m agentserve.executor', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('agentserve.executor', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('SEEN', seen[0])\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
                                                               "AGENTSERVE_CUDA_ALLOCATOR")}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                          env={**env, "AGENTSERVE_CUDA_ALLOCATOR": "shared"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [SHARED_POOL, "cudaMallocAsync"]
+    assert out.stdout.split()[-2:] == ["SEEN", SHARED_POOL]
+
+
+def test_a_refused_allocator_setting_reaches_the_orchestrator(monkeypatch) -> None:
+    """A bad AGENTSERVE_CUDA_ALLOCATOR is a fatal ExecError once the rings are attached (``agentserve up`` prints
+    it), not a traceback before them."""
+    from agentserve.executor.__main__ import choose_allocator, parse
+
+    monkeypatch.setenv("AGENTSERVE_CUDA_ALLOCATOR", "slab")
+    allocator, error = choose_allocator()
+    assert allocator == "" and "AGENTSERVE_CUDA_ALLOCATOR='slab'" in error
+    opts, _ = parse(["--run", "r", "--model", "m"], allocator, error)
+    sent: list = []
+    monkeypatch.setattr(process.RingPair, "attach", staticmethod(lambda run, role: type("P", (), {
+        "send": lambda self, m, timeout=None: sent.append(m), "close": lambda self: None})()))
+    monkeypatch.setattr(process.signal, "signal", lambda *a: None)
+    assert process.run_executor(opts) == 2
+    assert len(sent) == 1 and sent[0].fatal and "use shared or native" in sent[0].message
 
 
 @pytest.mark.parametrize(("env", "graphs"), [

@@ -22,7 +22,6 @@ from agentserve.protocol.sampling import SamplingParams
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "partition"))
 from partition_fakes import Gpu  # noqa: E402
 
-from agentserve.executor.partition.cuda_streams import CudaStreamsBackend  # noqa: E402
 from agentserve.executor.partition.green_ctx import GreenCtxBackend  # noqa: E402
 
 
@@ -248,7 +247,13 @@ def test_a_failed_green_context_warm_up_falls_back_to_streams(runner: ModelRunne
     gpu, pair, made = Gpu(64, (9, 0)), FakePair(), []
 
     def fake_detect(prefer=None, **kw):
-        made.append(GreenCtxBackend(gpu.drv, gpu.cuda) if prefer is None else CudaStreamsBackend(gpu.cuda))
+        made.append(GreenCtxBackend(gpu.drv, gpu.cuda))
+        return made[-1]
+
+    real_streams = process.CudaStreamsBackend
+
+    def streams(cuda):
+        made.append(real_streams(cuda))
         return made[-1]
 
     def warm_up() -> None:
@@ -259,16 +264,21 @@ def test_a_failed_green_context_warm_up_falls_back_to_streams(runner: ModelRunne
     monkeypatch.setattr(process.RingPair, "attach", staticmethod(lambda run, role: pair))
     monkeypatch.setattr(process, "ModelRunner", lambda *a, **k: runner)
     monkeypatch.setattr(process, "detect", fake_detect)
+    monkeypatch.setattr(process, "CudaStreamsBackend", streams)
+    monkeypatch.setattr(process, "TorchCuda", lambda index=0: gpu.cuda)
     monkeypatch.setattr(process.signal, "signal", lambda *a: None)  # run_executor's SIGTERM handler
     pair.inbox.put(Shutdown("test over"))  # read once the executor serves
     code = process.run_executor(ExecutorOptions(run="r", model_dir="m"))
     assert [b.name for b in made] == ["green-ctx", "cuda-streams"]
+    assert gpu.cuda.device_syncs == 1, "the device is idle before the green contexts go"
     if fails_on == "both":
         error = pair.wait_for(ExecError)
         assert code == 2 and not any(isinstance(m, Ready) for m in pair.sent)
         assert error.fatal and "CUBLAS_STATUS_EXECUTION_FAILED" in error.message and "warming rung 0" in error.message
+        assert not error.message.startswith("executor crashed"), "a failed start is not a bug report"
     else:
         ready = pair.wait_for(Ready)
         assert code == 0 and ready.backend == "cuda-streams" and ready.ladder[0].partitioned is False
         assert "green-ctx failed its warm-up (warming rung 0, PREFILL: RuntimeError" in ready.reason
+        assert "cuda-streams: two CUDA streams" in ready.reason
     assert all(b._closed for b in made) and not gpu.violations

@@ -204,6 +204,9 @@ class FakeCuda:
     def synchronize(self, stream: FakeStream) -> None:
         stream.synchronize()
 
+    def synchronize_device(self) -> None:
+        self.device_syncs = getattr(self, "device_syncs", 0) + 1
+
 
 class GroupParams:
     """CU_DEV_SM_RESOURCE_GROUP_PARAMS: zero-initialised, the caller sets ``smCount``."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from partition_fakes import GRANULARITY, Gpu
 
-from agentserve.executor.partition.base import BackendUnavailable
 from agentserve.executor.partition.green_ctx import GreenCtxBackend, structured_prefill
 from agentserve.protocol.lanes import Lane
 
@@ -19,7 +18,8 @@ def test_structured_prefill_groups_are_aligned_and_disjoint(monkeypatch, sms: in
     backend = GreenCtxBackend(gpu.drv, gpu.cuda)
     min_size, align = GRANULARITY[cc[0]]
     partitioned = [r for r in backend.ladder if r.partitioned]
-    assert partitioned and "prefill on structured groups" in backend.reason
+    assert partitioned and f"prefill on a structured group on {len(partitioned)} of {len(partitioned)} rungs" \
+        in backend.reason
     asked = [arg for name, arg in gpu.drv.log if name == "cuDevSmResourceSplit"]
     assert asked == [[r.decode_units, r.prefill_units] for r in partitioned]
     assert gpu.drv.calls["cuDevSmResourceSplitByCount"] == 0
@@ -39,6 +39,8 @@ def test_without_a_pair_split_prefill_takes_the_remainder(monkeypatch) -> None:
     backend = GreenCtxBackend(gpu.drv, gpu.cuda)
     assert all(r.decode_units + r.prefill_units == 132 for r in backend.ladder if r.partitioned)
     assert gpu.drv.calls["cuDevSmResourceSplitByCount"] == len(backend.ladder) - 1
+    assert f"structured group on 0 of {len(backend.ladder) - 1} rungs" in backend.reason
+    assert "16 SMs: prefill on the remainder" in backend.reason, "each rung that fell back says so"
     backend.close()
 
 
@@ -54,7 +56,7 @@ def test_the_default_is_the_remainder(monkeypatch) -> None:
 def test_an_unknown_setting_is_refused() -> None:
     assert structured_prefill({"AGENTSERVE_GREEN_PREFILL": "structured"})
     assert not structured_prefill({})
-    with pytest.raises(BackendUnavailable, match="AGENTSERVE_GREEN_PREFILL"):
+    with pytest.raises(ValueError, match="AGENTSERVE_GREEN_PREFILL"):
         structured_prefill({"AGENTSERVE_GREEN_PREFILL": "aligned"})
 
 
