@@ -18,7 +18,7 @@ import click
 from agentserve import configs
 from agentserve.cli.engine_options import engine_config, engine_flags
 from agentserve.cli.gateway_process import GatewayProcess, parse_http
-from agentserve.cli.up_signals import ForcedStop, ignore_signals, interrupt, on_signals
+from agentserve.cli.up_signals import ForcedStop, hold_signals, ignore_signals, interrupt, on_signals
 from agentserve.configs.logging import LOG_LEVELS, setup_logging
 from agentserve.executor.errors import EngineError
 from agentserve.orchestrator.executor_link import ExecutorLink, ExecutorSpec, ExecutorStartError
@@ -34,7 +34,7 @@ from agentserve.protocol.client_messages import Welcome
 from agentserve.protocol.endpoints import EndpointError, default_endpoint, ipc_path
 from agentserve.shm.board import list_runs
 from agentserve.shm.errors import ShmError
-from agentserve.shm.segment import check_run, cleanup_stale
+from agentserve.shm.segment import check_run, cleanup_stale, run_cleanups
 
 log = logging.getLogger("agentserve.up")
 
@@ -136,6 +136,7 @@ def _up(opts: dict[str, Any]) -> int:
     model_dir = _resolve_model(str(engine["model"]), str(engine.get("cache_dir", "")))
     tokenizer = Tokenizer.from_dir(model_dir)
     policy = sched_config.scheduler.policy
+    held = hold_signals()  # from the socket's bind until on_signals below
     ingress = Ingress(
         opts["endpoint"] or default_endpoint(run), allow_remote=opts["allow_remote"], limits=limits.request,
         rules=limits.clients,
@@ -153,7 +154,9 @@ def _up(opts: dict[str, Any]) -> int:
             run, model_dir, _executor_args(engine, opts["partition"]), opts["log_level"], opts["log_json"]
         )
         link = ExecutorLink(spec, limits.executor)
-        on_signals(interrupt, forced)  # until the loop runs: stop loading and clean up through `finally`
+        # until the loop runs: stop loading and clean up through `finally`; a signal held since the socket's bind is
+        # acted on here, once what was made so far is assigned (an exception inside a constructor leaked its segment)
+        on_signals(interrupt, forced, held)
         t0 = time.monotonic()
         with _Status(as_log=opts["log_json"]) as status:
             ready = link.start(progress=lambda s: status.update(f"loading the model … {s:.0f} s"))
@@ -204,6 +207,7 @@ def _up(opts: dict[str, Any]) -> int:
         if trace is not None:
             trace.close()
         ingress.close()
+        run_cleanups()  # what a stop cut off mid-construction made (a board whose publisher never was assigned)
         ignore_signals()  # done: a signal from here to the exit changes nothing
         if stopped:  # said once the clean-up is done: a forced one exits before this
             log.info("shut down cleanly")

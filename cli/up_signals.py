@@ -64,8 +64,30 @@ class ForcedStop:
             signal.signal(sig, self if sig in FORCING else signal.SIG_IGN)
 
 
-def on_signals(stop: Callable[[], None], forced: ForcedStop) -> None:
-    """The first signal calls ``stop`` (the clean-up follows); any later one is ``forced``."""
+class HeldSignals:
+    """Handler from the socket's bind until :func:`on_signals`: notes the first stop signal, acts on none.
+
+    Between binding the socket and installing the real handlers a SIGTERM (a fleet's parent-death signal, a quick
+    Ctrl-C) killed ``up`` by default action and left the socket.  (Blocking the signals instead does not do: the
+    kernel hands a process's signal to any thread not blocking it, and imports start threads.)"""
+
+    def __init__(self) -> None:
+        self.got: int | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.got = self.got or signum
+
+
+def hold_signals() -> HeldSignals:
+    held = HeldSignals()
+    for sig in SIGNALS:
+        signal.signal(sig, held)
+    return held
+
+
+def on_signals(stop: Callable[[], None], forced: ForcedStop, held: HeldSignals | None = None) -> None:
+    """The first signal calls ``stop`` (the clean-up follows); any later one is ``forced``.  A signal ``held``
+    noted before is acted on now, as the first."""
 
     def handler(signum: int, frame: object) -> None:
         log.info("received %s; stopping", signal.Signals(signum).name)
@@ -74,6 +96,8 @@ def on_signals(stop: Callable[[], None], forced: ForcedStop) -> None:
 
     for sig in SIGNALS:
         signal.signal(sig, handler)
+    if held is not None and held.got is not None:
+        handler(held.got, None)
 
 
 def ignore_signals() -> None:

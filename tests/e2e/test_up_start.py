@@ -100,6 +100,24 @@ def test_signals_in_quick_succession_during_the_load_leave_nothing(tmp_path) -> 
     assert subprocess.run(["pgrep", "-f", run], capture_output=True).returncode == 1, "a process was left"
 
 
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_sigterm_the_moment_the_socket_exists_leaves_nothing(tmp_path, attempt) -> None:
+    """Between binding the socket and installing its handlers `up` died of a SIGTERM (exit -15) and left the
+    socket: a fleet SIGKILLed while its workers started left theirs (their parent-death signal is SIGTERM)."""
+    run = f"t{uuid.uuid4().hex[:6]}"
+    sock = tmp_path / "up.sock"
+    proc = subprocess.Popen(["agentserve", "up", "--model", "tiny", "--run", run, "--endpoint", f"ipc://{sock}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not sock.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
+        time.sleep(0.0005)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    assert not sock.exists()
+    assert not [n for n in os.listdir("/dev/shm") if run in n]
+
+
 def test_a_second_signal_during_a_slow_clean_up_forces_it_and_leaves_nothing(tmp_path) -> None:
     """A stopped executor does not answer the Shutdown: the clean-up waited 10 s for it before killing it, and a
     second Ctrl-C did nothing meanwhile.  Now it kills the executor and the gateway and still removes everything."""
