@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import os
 import signal
 import sys
 from typing import Any
@@ -14,11 +16,16 @@ from typing import Any
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def die_with_parent(parent: int) -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask for SIGTERM at ``parent``'s death; if it already died (between the fork and this call, when no signal
+    will come) end here, before the exec: a fleet SIGKILLed while starting a worker left that worker serving."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def own_session() -> dict[str, Any]:
-    """The ``subprocess.Popen`` arguments that make such a child."""
-    return {"start_new_session": True, "preexec_fn": _die_with_parent if sys.platform == "linux" else None}
+    """The ``subprocess.Popen`` arguments that make such a child (of this process)."""
+    linux = sys.platform == "linux"
+    return {"start_new_session": True, "preexec_fn": functools.partial(die_with_parent, os.getpid()) if linux else None}
