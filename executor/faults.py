@@ -78,5 +78,6 @@ class WarmUpFailed(RuntimeError):
     """A (rung, lane) failed its start-up step with an error that did not poison the context.
 
     Seen on an H200 (driver 580, torch 2.11): small bf16 matrix products failed on the prefill lane's green
-    context (``CUBLAS_STATUS_EXECUTION_FAILED``) while fp32, plain streams and large products ran.  The
+    context (``CUBLAS_STATUS_EXECUTION_FAILED``) while fp32, plain streams and large products ran.  A rung
+    that fails so leaves the ladder; this is raised when the top rung or every partitioned one failed, and the
     executor then falls back from green contexts to plain streams rather than failing to start."""

@@ -187,9 +187,14 @@ class Executor:
 
         CUDA loads kernels per context on first launch, and each partitioned rung is its own pair of
         green contexts: without this the first step on each rung would pay for it.  CPU lanes have no
-        per-rung state to load, and their start-up stays as it was."""
+        per-rung state to load, and their start-up stays as it was.
+
+        A sticky error is a :class:`DeviceFault`.  Any other failure on a partitioned rung drops that rung
+        from the ladder (on an H200, small bf16 products failed only on the 12-SM prefill side of one rung);
+        a failure on the top rung, or on every partitioned one, is :class:`WarmUpFailed`."""
         if self.backend.unit != "SMs":
             return
+        failed: dict[int, str] = {}
         for rung in self.backend.ladder:
             for lane in Lane:
                 try:
@@ -197,7 +202,21 @@ class Executor:
                 except Exception as e:
                     if is_sticky_cuda_error(e):
                         raise DeviceFault(f"sticky CUDA error warming rung {rung.index}, {lane.name}: {e}") from e
-                    raise WarmUpFailed(f"warming rung {rung.index}, {lane.name}: {type(e).__name__}: {e}") from None
+                    failed.setdefault(rung.index, f"warming rung {rung.index}, {lane.name}: {type(e).__name__}: {e}")
+        if failed:
+            self._drop_failed_rungs(failed)
+
+    def _drop_failed_rungs(self, failed: dict[int, str]) -> None:
+        ladder = self.backend.ladder
+        first = next(iter(failed.values()))
+        if ladder[-1].index in failed or len(failed) == len(ladder) - 1:
+            raise WarmUpFailed(first if len(failed) == 1 else f"{first} (and on {len(failed) - 1} more rungs)")
+        described = ", ".join(f"{i} ({ladder[i].decode_units}/{ladder[i].prefill_units} SMs)" for i in failed)
+        log.warning("rungs %s failed their warm-up and leave the ladder: %s", described, first)
+        self.backend.drop_rungs(failed, f"rungs {described} left out: their warm-up failed ({first[:200]})")
+        top = self.backend.ladder[-1].index
+        for lane in Lane:  # each lane's binding names its old top rung: bind it again by the new number
+            self.lanes[lane].submit(lambda binding: None, rung=top).result()
 
     def _warm_step(self, binding: LaneBinding) -> None:
         with self.backend.step_scope(binding, 4):

@@ -13,10 +13,12 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from agentserve.protocol.lanes import Lane, Rung
 
@@ -122,6 +124,28 @@ class PartitionBackend(ABC):
 
     def in_use(self) -> dict[tuple[Lane, int], int]:
         return self._guard.in_use()
+
+    def drop_rungs(self, indices: Collection[int], why: str) -> None:
+        """Take the partitioned rungs ``indices`` out of the ladder, renumbering the rest in order (rung ``i``
+        stays ``ladder[i]``); ``why`` joins the reason.  For rungs that cannot run (their warm-up failed):
+        call it before ``Ready`` and rebind every lane afterwards, since a lane's binding names its old index.
+
+        Raises ValueError for the top rung, a rung not in the ladder, or a rung a lane is bound to."""
+        gone = set(indices)
+        if not gone <= {r.index for r in self.ladder[:-1]}:
+            raise ValueError(f"rungs {sorted(gone)}: only partitioned rungs below the top can be dropped")
+        bound = sorted({rung for _, rung in self.in_use()} & gone)
+        if bound:
+            raise ValueError(f"rungs {bound} are in use by a lane")
+        kept = [r for r in self.ladder if r.index not in gone]
+        renumber = {r.index: i for i, r in enumerate(kept)}
+        self._renumber(renumber)
+        self.ladder = [msgspec.structs.replace(r, index=renumber[r.index]) for r in kept]
+        self.reason = f"{self.reason}; {why}" if self.reason else why
+
+    def _renumber(self, new_index: dict[int, int]) -> None:
+        """Re-key per-rung state by ``new_index`` (old index -> new, kept rungs only)."""
+        raise NotImplementedError(f"the {self.name} backend cannot drop rungs")
 
     def close(self, timeout: float = 10.0) -> None:
         """Wait until no lane is bound, then release streams, then contexts. Idempotent."""

@@ -25,6 +25,10 @@ class StreamBackend(PartitionBackend):
         """The torch stream ``lane`` runs on at rung ``rung`` (for measurements; lanes bind instead)."""
         return self._streams[self.rung(rung).index][Lane(lane)]
 
+    def _renumber(self, new_index: dict[int, int]) -> None:
+        """A dropped rung's streams leave the map; they are destroyed with the rest at ``close``."""
+        self._streams = {new_index[i]: lanes for i, lanes in self._streams.items() if i in new_index}
+
     @contextmanager
     def _bind(self, lane: Lane, rung: Rung) -> Iterator[LaneBinding]:
         stream = self._streams[rung.index][lane]

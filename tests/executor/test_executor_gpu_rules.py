@@ -282,3 +282,43 @@ def test_a_failed_green_context_warm_up_falls_back_to_streams(runner: ModelRunne
         assert "green-ctx failed its warm-up (warming rung 0, PREFILL: RuntimeError" in ready.reason
         assert "cuda-streams: two CUDA streams" in ready.reason
     assert all(b._closed for b in made) and not gpu.violations
+
+
+def test_a_rung_that_fails_its_warm_up_leaves_the_ladder(runner: ModelRunner, monkeypatch) -> None:
+    """On an H200 small bf16 products failed only on one rung's 12-SM prefill side: that rung leaves the ladder,
+    the executor stays on green contexts, and every kept rung — the top one the lanes end their warm-up on
+    included — still runs on its own streams under its new number."""
+    gpu, pair = Gpu(132, (9, 0)), FakePair()
+    backend = GreenCtxBackend(gpu.drv, gpu.cuda)
+    before = list(backend.ladder)
+    bad = len(before) - 2  # the last partitioned rung: the smallest prefill side
+    streams = {lane: {r.index: backend.stream_for(lane, r.index) for r in before} for lane in Lane}
+    real_warm, ran = Executor._warm_step, []
+
+    def warm_step(self, binding):
+        if binding.rung.index == bad and binding.lane == Lane.PREFILL:
+            raise RuntimeError(CUBLAS_FAILURE)
+        return real_warm(self, binding)
+
+    monkeypatch.setattr(Executor, "_warm_step", warm_step)
+    ex = Executor(pair, runner, backend)
+    t = threading.Thread(target=lambda: ran.append(ex.serve("tiny")), daemon=True)
+    t.start()
+    try:
+        ready = pair.wait_for(Ready)
+        assert ready.backend == "green-ctx"
+        kept = [r for r in before if r.index != bad]
+        assert [r.index for r in ready.ladder] == list(range(len(kept)))
+        sizes = [(r.decode_units, r.prefill_units) for r in ready.ladder]
+        assert sizes == [(r.decode_units, r.prefill_units) for r in kept]
+        assert f"rungs {bad} (" in ready.reason and "their warm-up failed" in ready.reason and "CUBLAS" in ready.reason
+        for new in (len(kept) - 1, bad - 1, bad):  # the top, the rung below the gap, the one that took its number
+            for lane in Lane:
+                bound = ex.lanes[lane].submit(lambda b: (b.rung, b.stream), rung=new).result(timeout=10)
+                assert bound == (ready.ladder[new], streams[lane][kept[new].index])
+    finally:
+        pair.inbox.put(Shutdown("test over"))
+        t.join(10)
+        backend.close()
+    assert not t.is_alive() and ran[-1] == "test over"
+    assert not gpu.violations
