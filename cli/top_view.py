@@ -91,7 +91,8 @@ def partition_block(snap: Snapshot) -> Table:
         "rung",
         f"{rung}  decode {p.decode_units} {p.unit} · prefill {p.prefill_units} {p.unit} of {p.total_units}",
     )
-    g.add_row("backend", Text(f"{p.backend or '?'}", style="cyan") + Text(f"  {p.reason}", style="dim"))
+    reason = " ".join(p.reason.split())  # one line: after a failed green-ctx warm-up it holds a CUDA error's lines
+    g.add_row("backend", Text(f"{p.backend or '?'}", style="cyan") + Text(f"  {reason}", style="dim"))
     parts = [f"B_prefill {c.b_prefill}" + (f"/{c.b_prefill_max}" if c.b_prefill_max else "")]
     if c.r_min:
         parts.append(f"R_min {c.r_min}")
