@@ -207,6 +207,9 @@ class Executor:
             self._drop_failed_rungs(failed)
 
     def _drop_failed_rungs(self, failed: dict[int, str]) -> None:
+        # The failed steps' exceptions hold tensors made on the dropped rungs' streams in reference cycles (their
+        # tracebacks reach the lane step's future): free them now, not in a collection after those streams are gone.
+        gc.collect()
         ladder = self.backend.ladder
         first = next(iter(failed.values()))
         if ladder[-1].index in failed or len(failed) == len(ladder) - 1:

@@ -1,7 +1,8 @@
 """The partition-backend interface every backend (green-ctx, cuda-streams, cpu-cores) implements.
 
 Invariants:
-- ``ladder`` is fixed at construction; rung ``i`` is ``ladder[i]`` and the last rung is unpartitioned.
+- ``ladder`` is fixed at construction but for ``drop_rungs`` before the executor is ready; rung ``i`` is
+  ``ladder[i]`` and the last rung is unpartitioned.
 - ``lane_context(lane, rung)`` is entered *on the lane's own thread* and binds that thread's work to
   the lane's share of the rung (a CUDA stream, or CPU cores + intra-op threads) until it exits.
 - ``close()`` never releases a stream while a lane is inside ``lane_context``: it waits for every
@@ -141,7 +142,7 @@ class PartitionBackend(ABC):
         renumber = {r.index: i for i, r in enumerate(kept)}
         self._renumber(renumber)
         self.ladder = [msgspec.structs.replace(r, index=renumber[r.index]) for r in kept]
-        self.reason = f"{self.reason}; {why}" if self.reason else why
+        self.reason = f"{why}; {self.reason}" if self.reason else why  # first: `top` cuts a long reason short
 
     def _renumber(self, new_index: dict[int, int]) -> None:
         """Re-key per-rung state by ``new_index`` (old index -> new, kept rungs only)."""

@@ -38,6 +38,11 @@ FELL_BACK_REASON = ("green-ctx failed its warm-up (CUDA error: an illegal memory
                     "cuda-streams: two CUDA streams (decode priority -1, prefill 0); not partitioned")
 
 
+# executor.process.Executor.warm drops a rung whose warm-up failed and puts it first in the reason (drop_rungs)
+DROPPED_REASON = ("rungs 8 (120/12 SMs) left out: their warm-up failed (warming rung 8, PREFILL: RuntimeError: CUDA "
+                  "error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, ...)`); " + GREEN_REASON)
+
+
 def gpu_snapshot(backend: str, reason: str, sessions: int) -> bytes:
     """What a server on an H200 publishes: a ladder of 10 rungs, decode on rung 2 of 9 (cuda-streams: one shared
     rung), ``sessions`` agents named watch0.. after a turn each; encoded, as the board and GetStats carry it."""
@@ -94,3 +99,10 @@ def test_gpu_reason_is_one_line_so_a_full_frame_fits_its_rows(backend: str, reas
     at = next(i for i, ln in enumerate(lines) if ln.startswith(f"backend {backend}"))
     assert lines[at + 1].startswith("control"), text  # the reason took the backend's line only
     assert "watch0" in text and "more" in lines[-2], text
+
+
+def test_a_dropped_rung_shows_in_the_backend_line_at_80_columns() -> None:
+    """The rung a failed warm-up dropped is the first thing the backend's line says, before the cut."""
+    lines = frame(gpu_snapshot("green-ctx", DROPPED_REASON, 4), 80, 24)
+    backend = next(ln for ln in lines if ln.startswith("backend green-ctx"))
+    assert "rungs 8 (120/12 SMs) left out" in backend, "\n".join(lines)

@@ -284,19 +284,20 @@ def test_a_failed_green_context_warm_up_falls_back_to_streams(runner: ModelRunne
     assert all(b._closed for b in made) and not gpu.violations
 
 
-def test_a_rung_that_fails_its_warm_up_leaves_the_ladder(runner: ModelRunner, monkeypatch) -> None:
-    """On an H200 small bf16 products failed only on one rung's 12-SM prefill side: that rung leaves the ladder,
-    the executor stays on green contexts, and every kept rung — the top one the lanes end their warm-up on
-    included — still runs on its own streams under its new number."""
+@pytest.mark.parametrize("bad", [{8}, {0}, {4}, {0, 3, 7}])
+def test_a_rung_that_fails_its_warm_up_leaves_the_ladder(runner: ModelRunner, monkeypatch, bad: set[int]) -> None:
+    """On an H200 small bf16 products failed only on one rung's 12-SM prefill side (rung 8 of 0-9): that rung leaves
+    the ladder, the executor stays on green contexts, and every kept rung — the top one the lanes end their warm-up
+    on included — still runs on its own streams under its new number."""
     gpu, pair = Gpu(132, (9, 0)), FakePair()
     backend = GreenCtxBackend(gpu.drv, gpu.cuda)
     before = list(backend.ladder)
-    bad = len(before) - 2  # the last partitioned rung: the smallest prefill side
+    assert len(before) == 10 and max(bad) < len(before) - 1
     streams = {lane: {r.index: backend.stream_for(lane, r.index) for r in before} for lane in Lane}
     real_warm, ran = Executor._warm_step, []
 
     def warm_step(self, binding):
-        if binding.rung.index == bad and binding.lane == Lane.PREFILL:
+        if binding.rung.index in bad and binding.lane == Lane.PREFILL:
             raise RuntimeError(CUBLAS_FAILURE)
         return real_warm(self, binding)
 
@@ -307,12 +308,16 @@ def test_a_rung_that_fails_its_warm_up_leaves_the_ladder(runner: ModelRunner, mo
     try:
         ready = pair.wait_for(Ready)
         assert ready.backend == "green-ctx"
-        kept = [r for r in before if r.index != bad]
+        kept = [r for r in before if r.index not in bad]
         assert [r.index for r in ready.ladder] == list(range(len(kept)))
         sizes = [(r.decode_units, r.prefill_units) for r in ready.ladder]
         assert sizes == [(r.decode_units, r.prefill_units) for r in kept]
-        assert f"rungs {bad} (" in ready.reason and "their warm-up failed" in ready.reason and "CUBLAS" in ready.reason
-        for new in (len(kept) - 1, bad - 1, bad):  # the top, the rung below the gap, the one that took its number
+        dropped, _, rest = ready.reason.partition(" left out: their warm-up failed")
+        assert dropped == "rungs " + ", ".join(f"{r.index} ({r.decode_units}/{r.prefill_units} SMs)"
+                                               for r in before if r.index in bad)
+        assert "CUBLAS" in rest
+        assert [ex.lanes[lane].bound_rung for lane in Lane] == [len(kept) - 1] * 2, "bound to the new top's number"
+        for new in range(len(kept)):
             for lane in Lane:
                 bound = ex.lanes[lane].submit(lambda b: (b.rung, b.stream), rung=new).result(timeout=10)
                 assert bound == (ready.ladder[new], streams[lane][kept[new].index])
@@ -321,4 +326,27 @@ def test_a_rung_that_fails_its_warm_up_leaves_the_ladder(runner: ModelRunner, mo
         t.join(10)
         backend.close()
     assert not t.is_alive() and ran[-1] == "test over"
+    assert not gpu.violations
+
+
+def test_every_partitioned_rung_failing_its_warm_up_gives_up_green_contexts(runner: ModelRunner, monkeypatch) -> None:
+    """Left with the top rung alone, green contexts partition nothing: the start fails its warm-up (and
+    run_executor restarts the lanes on cuda-streams, above) instead of serving one unpartitioned rung."""
+    gpu = Gpu(132, (9, 0))
+    backend = GreenCtxBackend(gpu.drv, gpu.cuda)
+    real_warm = Executor._warm_step
+
+    def warm_step(self, binding):
+        if binding.rung.partitioned and binding.lane == Lane.PREFILL:
+            raise RuntimeError(CUBLAS_FAILURE)
+        return real_warm(self, binding)
+
+    monkeypatch.setattr(Executor, "_warm_step", warm_step)
+    pair = FakePair()
+    pair.inbox.put(Shutdown("served"))  # what an executor that kept the top rung alone would read, and return
+    with pytest.raises(process.WarmUpFailed, match=r"warming rung 0, PREFILL: .*\(and on 8 more rungs\)"):
+        Executor(pair, runner, backend).serve("tiny")
+    assert not any(isinstance(m, Ready) for m in pair.sent)
+    assert len(backend.ladder) == 10
+    backend.close()
     assert not gpu.violations
