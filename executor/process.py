@@ -207,13 +207,13 @@ class Executor:
             self._drop_failed_rungs(failed)
 
     def _drop_failed_rungs(self, failed: dict[int, str]) -> None:
+        ladder = self.backend.ladder
+        first = next(iter(failed.values()))
+        if ladder[-1].index in failed or len(failed) == len(ladder) - 1:  # the fallback collects as below
+            raise WarmUpFailed(first if len(failed) == 1 else f"{first} (and on {len(failed) - 1} more rungs)")
         # The failed steps' exceptions hold tensors made on the dropped rungs' streams in reference cycles (their
         # tracebacks reach the lane step's future): free them now, not in a collection after those streams are gone.
         gc.collect()
-        ladder = self.backend.ladder
-        first = next(iter(failed.values()))
-        if ladder[-1].index in failed or len(failed) == len(ladder) - 1:
-            raise WarmUpFailed(first if len(failed) == 1 else f"{first} (and on {len(failed) - 1} more rungs)")
         described = ", ".join(f"{i} ({ladder[i].decode_units}/{ladder[i].prefill_units} SMs)" for i in failed)
         log.warning("rungs %s failed their warm-up and leave the ladder: %s", described, first)
         self.backend.drop_rungs(failed, f"rungs {described} left out: their warm-up failed ({first[:200]})")

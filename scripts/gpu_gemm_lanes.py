@@ -1,10 +1,10 @@
 """Which matrix products run on each lane's stream, per rung: bf16 / fp32, with and without a bias, 1 to 8192 rows.
 
 Seen on an H200 (driver 580.159, torch 2.11.0+cu130): the executor's warm-up — a 3-token bf16 prefill of the
-built-in Qwen2 models — failed with CUBLAS_STATUS_EXECUTION_FAILED on rung 0's prefill lane (green context of
-116 SMs) right after the same products ran on its decode lane (16 SMs); fp32 ran, plain streams ran
-(cuda-streams), and bf16 products of 32 and 8192 rows ran on every lane (probe sections physics, model).  This
-maps where it happens.  One process per call (a failure may leave cuBLAS unusable in it):
+built-in Qwen2 models — failed with CUBLAS_STATUS_EXECUTION_FAILED on green contexts, while fp32 and plain
+streams (cuda-streams) ran.  This maps where it happens: on that H200, bf16 products of 1-512 rows fail only on
+rung 8's prefill side (the 12-SM remainder beside 120 decode SMs), which the warm-up now drops.
+One process per call (a failure may leave cuBLAS unusable in it):
 
   python scripts/gpu_gemm_lanes.py --thread lane|main [--rungs 0,4,8,9] [--dry-run]
 

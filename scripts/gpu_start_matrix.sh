@@ -6,7 +6,8 @@
 #   scripts/gpu_start_matrix.sh [MODEL]        (default: bench)
 #
 # Prints one line per case, "ready (<partition backend>)" or "FAILED: <the first error line>" (and the log's
-# tail to serve_check.log); a green-ctx warm-up failure shows as ready on cuda-streams (the executor's fallback).
+# tail to serve_check.log); a rung that fails its warm-up leaves the ladder ("green-ctx (N rungs)" in the log),
+# and one failure on every partitioned rung shows as ready on cuda-streams (the executor's fallback).
 # Writes the first setting that reached ready on green contexts, when the baseline did not, as `export ...` lines
 # to $MATRIX_ENV (gpu_env.sh; gpu_serve_check.sh's bench sources it).
 # The `launch-blocking` case (CUDA_LAUNCH_BLOCKING=1) reports an asynchronous fault at the launch that made it.

@@ -41,9 +41,9 @@ def _one_split(drv: Any, resource: Any, decode_sms: int, total: int, gran: Granu
     Prefill runs on the split's remainder — unless ``structured`` (``AGENTSERVE_GREEN_PREFILL=structured``,
     :mod:`.green_ctx`) and the driver has ``cuDevSmResourceSplit`` (CUDA 13): then both are structured groups,
     prefill getting the rest rounded down to the alignment (the few SMs left over idle).  A remainder is
-    "unstructured", with no co-scheduling guarantee (the driver API notes), and on an H200 small bf16 products
-    failed on one (``CUBLAS_STATUS_EXECUTION_FAILED``) right after running on the structured decode group;
-    whether a structured prefill group avoids that is the next device session's question."""
+    "unstructured", with no co-scheduling guarantee (the driver API notes); on an H200 small bf16 products
+    failed (``CUBLAS_STATUS_EXECUTION_FAILED``) on the one 12-SM remainder, which the executor's warm-up then
+    drops.  Driver 580 (CUDA 13.0) lacks ``cuDevSmResourceSplit``, so there this option keeps the remainder."""
     prefill_sms = (total - decode_sms) // gran.align * gran.align
     if structured and getattr(drv, "cuDevSmResourceSplit", None) is not None and prefill_sms >= gran.min_size:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from agentserve.executor.builtin import resolve_model
 from agentserve.executor.lanes import LaneWorker
 from agentserve.executor.process import Executor, ExecutorOptions
 from agentserve.executor.runner import ModelRunner
-from agentserve.protocol.lanes import Lane
+from agentserve.protocol.lanes import Lane, Rung
 from agentserve.protocol.ring_messages import ExecError, Plan, Ready, Result, SeqPlan, Shutdown
 from agentserve.protocol.sampling import SamplingParams
 
@@ -284,6 +285,18 @@ def test_a_failed_green_context_warm_up_falls_back_to_streams(runner: ModelRunne
     assert all(b._closed for b in made) and not gpu.violations
 
 
+def _fail_prefill_warm_up(monkeypatch, on: Callable[[Rung], bool]) -> None:
+    """The warm-up's step fails as on the H200 on the prefill side of the rungs ``on`` picks."""
+    real_warm = Executor._warm_step
+
+    def warm_step(self, binding):
+        if on(binding.rung) and binding.lane == Lane.PREFILL:
+            raise RuntimeError(CUBLAS_FAILURE)
+        return real_warm(self, binding)
+
+    monkeypatch.setattr(Executor, "_warm_step", warm_step)
+
+
 @pytest.mark.parametrize("bad", [{8}, {0}, {4}, {0, 3, 7}])
 def test_a_rung_that_fails_its_warm_up_leaves_the_ladder(runner: ModelRunner, monkeypatch, bad: set[int]) -> None:
     """On an H200 small bf16 products failed only on one rung's 12-SM prefill side (rung 8 of 0-9): that rung leaves
@@ -294,14 +307,8 @@ def test_a_rung_that_fails_its_warm_up_leaves_the_ladder(runner: ModelRunner, mo
     before = list(backend.ladder)
     assert len(before) == 10 and max(bad) < len(before) - 1
     streams = {lane: {r.index: backend.stream_for(lane, r.index) for r in before} for lane in Lane}
-    real_warm, ran = Executor._warm_step, []
-
-    def warm_step(self, binding):
-        if binding.rung.index in bad and binding.lane == Lane.PREFILL:
-            raise RuntimeError(CUBLAS_FAILURE)
-        return real_warm(self, binding)
-
-    monkeypatch.setattr(Executor, "_warm_step", warm_step)
+    ran: list[object] = []
+    _fail_prefill_warm_up(monkeypatch, lambda rung: rung.index in bad)
     ex = Executor(pair, runner, backend)
     t = threading.Thread(target=lambda: ran.append(ex.serve("tiny")), daemon=True)
     t.start()
@@ -334,14 +341,7 @@ def test_every_partitioned_rung_failing_its_warm_up_gives_up_green_contexts(runn
     run_executor restarts the lanes on cuda-streams, above) instead of serving one unpartitioned rung."""
     gpu = Gpu(132, (9, 0))
     backend = GreenCtxBackend(gpu.drv, gpu.cuda)
-    real_warm = Executor._warm_step
-
-    def warm_step(self, binding):
-        if binding.rung.partitioned and binding.lane == Lane.PREFILL:
-            raise RuntimeError(CUBLAS_FAILURE)
-        return real_warm(self, binding)
-
-    monkeypatch.setattr(Executor, "_warm_step", warm_step)
+    _fail_prefill_warm_up(monkeypatch, lambda rung: rung.partitioned)
     pair = FakePair()
     pair.inbox.put(Shutdown("served"))  # what an executor that kept the top rung alone would read, and return
     with pytest.raises(process.WarmUpFailed, match=r"warming rung 0, PREFILL: .*\(and on 8 more rungs\)"):
