@@ -101,7 +101,7 @@ def cpu_engine() -> str:
     """What ``dtype = auto`` and ``weights = auto`` run on this CPU for a bf16 checkpoint, and why."""
     import torch
 
-    from agentserve.executor.attention import cpu_decode_kernel, cpu_prefill_kernel
+    from agentserve.executor.attention import cpu_decode_kernel, cpu_prefill_kernel, torch_prefill_dtype
     from agentserve.executor.fused.step import instruction_set
     from agentserve.executor.fused.step import why_not as fused_why_not
     from agentserve.executor.linear import choose_format
@@ -118,8 +118,10 @@ def cpu_engine() -> str:
     hybrid_decode = ("the checkpoint's bf16 values with fp32 sums for decode" if fused
                      else "packed fp16 for decode")  # the fused step reads a hybrid matrix's bf16 copy
     prefill, _ = cpu_prefill_kernel("auto", "auto", 8, 2, 64, 16, cpu, fp32, fmt == "hybrid")
+    amx = torch_prefill_dtype("auto", cpu, fp32, fmt == "hybrid") is not None
     cache += {None: ", fp32 prefill attention (PyTorch)", "bf16": ", bf16 prefill attention (compiled, AVX512-BF16)",
-              "fp32": ", fp32 prefill attention (compiled, AVX2)"}[prefill and prefill.variant]
+              "fp32": ", fp32 prefill attention (compiled, AVX2)",
+              "amx": ", bf16 prefill attention (PyTorch, AMX)"}["amx" if amx else prefill and prefill.variant]
     return {
         "dense": "fp32 activations, dense fp32 matrices (no FBGEMM fp16 kernel in this build/CPU)",
         "hybrid": f"fp32 activations, hybrid matrices: bf16 products for prefill chunks (native bf16), {hybrid_decode}",

@@ -156,6 +156,12 @@ def cpu_has_fast_bf16() -> bool:
 
 
 @functools.cache
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX tiles, on which PyTorch multiplies bf16 (its CPU flash attention included)."""
+    return getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+
+
+@functools.cache
 def fp16_packing_available() -> bool:
     """True when this PyTorch has FBGEMM's fp16 linear (x86-64 builds) and it runs on this CPU."""
     if "fbgemm" not in torch.backends.quantized.supported_engines:

@@ -248,7 +248,7 @@ class Executor:
             device=f"{device_description(self.backend.device, r.device)} {dtype}, {r.weight_format} matrices, "
                    f"{str(r.kv_dtype).removeprefix('torch.')} KV"
                    + (", fused decode step" if r.fused_decode is not None else "")
-                   + (f", {r.prefill_kernel.variant} prefill attention" if r.prefill_kernel is not None else ""),
+                   + (f", {r.prefill_attention} prefill attention" if r.prefill_attention else ""),
             model=model,
         )
 

@@ -308,6 +308,14 @@ class ModelRunner(RunnerGraphs):
         return getattr(self.attention, "prefill_kernel", None)
 
     @property
+    def prefill_attention(self) -> str | None:
+        """How prefill chunks are attended where it is not PyTorch's flash attention in the model's dtype: ``bf16`` or
+        ``fp32`` (the compiled kernels), ``torch-bf16`` (PyTorch on bf16 copies); else None."""
+        if self.prefill_kernel is not None:
+            return self.prefill_kernel.variant
+        return "torch-bf16" if getattr(self.attention, "prefill_dtype", None) == torch.bfloat16 else None
+
+    @property
     def weight_format(self) -> str:
         """``dense``, ``fp16`` (packed for FBGEMM) or ``dense+fp16`` when the matrices differ."""
         return "+".join(self.model.weight_formats)

@@ -47,7 +47,7 @@ def main() -> None:
         for start in range(0, length, 512):
             runner.prefill([PrefillChunk(context[start : start + 512], start, blocks)])
     out = {"model": args.model, "threads": args.threads, "kernels": {
-        s: r.prefill_kernel.variant if r.prefill_kernel else "torch" for s, r in runners.items()}, "steps": {}}
+        s: r.prefill_attention or "torch" for s, r in runners.items()}, "steps": {}}
     for name, start, n in STEPS:
         chunk = [PrefillChunk(context[start : start + n], start, blocks)]
         steps = {s: (lambda r=r, chunk=chunk: r.prefill(chunk)) for s, r in runners.items()}

@@ -4,11 +4,12 @@
 (:mod:`.cpu_kernel`); on CUDA, FlashInfer where it is installed, else the Triton kernels, else PyTorch.
 ``torch``: PyTorch only (the reference). ``cpu-kernel``: as ``auto`` on a CPU, but an error where the kernel
 cannot be used.  Prefill attention on a CPU (``prefill_attention``, :func:`cpu_prefill_kernel`): ``auto`` runs
-the compiled bf16 kernel (:mod:`.cpu_prefill`) where the CPU has AVX512-BF16 and the model's matrices already
-multiply prefill rows in bf16 (hybrid), else the compiled fp32 kernel on CPUs without AVX-512, else PyTorch's fp32
-flash attention; ``bf16`` and ``fp32`` those kernels wherever they run, ``torch`` PyTorch.  ``triton``
-(:mod:`.triton_backend`) and ``flashinfer`` (:mod:`.flashinfer_backend`): those paged kernels, or an error saying
-why they cannot run here.
+PyTorch's flash attention on bf16 copies where the CPU has AMX tiles and the model's matrices already multiply
+prefill rows in bf16 (hybrid), else the compiled bf16 kernel (:mod:`.cpu_prefill`) where the CPU has AVX512-BF16
+and the rows are bf16, else the compiled fp32 kernel on CPUs without AVX-512, else PyTorch's fp32 flash attention;
+``bf16`` and ``fp32`` those kernels wherever they run, ``torch`` PyTorch, ``torch-bf16`` PyTorch on bf16 copies.
+``triton`` (:mod:`.triton_backend`) and ``flashinfer`` (:mod:`.flashinfer_backend`): those paged kernels, or an
+error saying why they cannot run here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from agentserve.executor.attention.base import AttentionBackend, AttentionBatch
 from agentserve.executor.errors import EngineError
+from agentserve.executor.linear import cpu_has_amx
 
 if TYPE_CHECKING:
     from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
@@ -35,7 +37,7 @@ class _Kernel(Protocol):
 
 
 K = TypeVar("K", bound=_Kernel)
-PREFILL_ATTENTION = ("auto", "bf16", "fp32", "torch")
+PREFILL_ATTENTION = ("auto", "bf16", "fp32", "torch", "torch-bf16")
 log = logging.getLogger(__name__)
 
 
@@ -72,11 +74,12 @@ def create_backend(
                                                           device, dtype, cache_dtype)
     prefill_kernel, why = cpu_prefill_kernel(prefill, name, num_heads, num_kv_heads, head_dim, block_size, device,
                                              dtype, bf16_rows)
+    prefill_dtype = torch_prefill_dtype(prefill, device, dtype, bf16_rows)
     if device.type == "cpu":
         log.info("prefill attention: %s", f"the compiled {prefill_kernel.variant} kernel" if prefill_kernel
-                 else f"PyTorch fp32 ({why})")
+                 else f"PyTorch {'bf16' if prefill_dtype == torch.bfloat16 else 'fp32'} ({why})")
     return TorchAttention(num_heads, num_kv_heads, head_dim, block_size, device, decode_kernel=kernel,
-                          prefill_kernel=prefill_kernel)
+                          prefill_kernel=prefill_kernel, prefill_dtype=prefill_dtype)
 
 
 def installed(module: str) -> bool:
@@ -113,15 +116,15 @@ def cpu_prefill_kernel(setting: str, name: str, num_heads: int, num_kv_heads: in
                        device: torch.device, dtype: torch.dtype,
                        bf16_rows: bool) -> tuple[PagedPrefillKernel | None, str]:
     """The compiled prefill kernel under ``prefill_attention = setting`` with attention backend ``name``, or None and
-    why not.  ``auto``: the bf16 kernel where prefill rows already multiply in bf16 (hybrid matrices), else the fp32
-    kernel where it is the faster fp32 path (:func:`cpu_prefill.preferred`), else PyTorch.  ``bf16`` or ``fp32``
-    where that kernel cannot run raises :class:`EngineError`."""
+    why not.  ``auto``: PyTorch on bf16 copies where :func:`torch_prefill_dtype` says so (AMX), else the bf16 kernel
+    where prefill rows already multiply in bf16 (hybrid matrices), else the fp32 kernel where it is the faster fp32
+    path (:func:`cpu_prefill.preferred`), else PyTorch.  ``bf16`` or ``fp32`` where that kernel cannot run raises
+    :class:`EngineError`."""
     from agentserve.executor.attention import cpu_prefill
 
-    if setting not in PREFILL_ATTENTION:
-        raise EngineError(f"unknown prefill_attention {setting!r}; available: {', '.join(PREFILL_ATTENTION)}")
-    if setting == "torch":
-        return None, "prefill_attention torch"
+    if setting in ("torch", "torch-bf16") or torch_prefill_dtype(setting, device, dtype, bf16_rows):
+        return None, ("AMX tiles: PyTorch's bf16 flash attention runs on them" if setting == "auto"
+                      else f"prefill_attention {setting}")
     shape = (num_heads, num_kv_heads, head_dim, block_size)
     if setting != "auto":
         kernel, why = _prefill_variant(setting, name, shape, device, dtype)
@@ -137,6 +140,22 @@ def cpu_prefill_kernel(setting: str, name: str, num_heads: int, num_kv_heads: in
     return _compiled(lambda: cpu_prefill.load("fp32") if cpu_prefill.preferred() else None,
                      f"{why}; PyTorch's flash attention is the fp32 path with AVX-512 and where the fp32 kernel is "
                      "unavailable", name, shape, device, dtype)
+
+
+def torch_prefill_dtype(setting: str, device: torch.device, dtype: torch.dtype, bf16_rows: bool) -> torch.dtype | None:
+    """bf16 where PyTorch attends prefill chunks on bf16 copies of their queries, keys and values (fp32 results):
+    ``torch-bf16``, and ``auto`` where the CPU has AMX tiles and prefill rows already multiply in bf16 — PyTorch's
+    bf16 flash attention runs on the tiles there (measured 2.2x the compiled bf16 kernel's prefill at 4,096 tokens,
+    docs/benchmarks.md); else None (the model's dtype).  ``torch-bf16`` off a float32 CPU model raises
+    :class:`EngineError`."""
+    if setting not in PREFILL_ATTENTION:
+        raise EngineError(f"unknown prefill_attention {setting!r}; available: {', '.join(PREFILL_ATTENTION)}")
+    cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+    if setting == "torch-bf16" and not cpu_fp32:
+        raise EngineError("prefill_attention 'torch-bf16' is unavailable: it needs a float32 model on the CPU")
+    if setting == "torch-bf16" or (setting == "auto" and cpu_fp32 and bf16_rows and cpu_has_amx()):
+        return torch.bfloat16
+    return None
 
 
 def _prefill_variant(variant: str, name: str, shape: tuple[int, int, int, int], device: torch.device,

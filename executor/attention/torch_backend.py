@@ -12,9 +12,10 @@ Prefill on CUDA calls SDPA with 4-D ``[1, heads, L, D]`` queries against ``[1, k
 never repeated per query head.  On CPU it calls SDPA's flash kernel directly with each KV head's query group
 folded into rows (K/V read once per group), in query blocks of at most :data:`CPU_ROW_BLOCK` rows: each
 block attends every key before its first row (cached prefix, earlier rows) unmasked and its own rows' keys
-under an additive causal mask the size of the block, the two merged by log-sum-exp — or, where a prefill kernel
-was given (:mod:`.cpu_prefill`: bf16 dot products on AVX512-BF16 CPUs), each chunk of more than one token
-attends its keys in place through that kernel.  The Triton backend (:mod:`.triton_backend`) replaces this path
+under an additive causal mask the size of the block, the two merged by log-sum-exp (on bf16 copies where
+``prefill_dtype`` says so: PyTorch runs them on AMX tiles) — or, where a prefill kernel was given
+(:mod:`.cpu_prefill`: bf16 dot products on AVX512-BF16 CPUs), each chunk of more than one token attends its keys
+in place through that kernel.  The Triton backend (:mod:`.triton_backend`) replaces this path
 on CUDA by default.
 """
 
@@ -144,13 +145,15 @@ class TorchAttention(AttentionBackend):
 
     def __init__(self, *args, sdpa_prefill: bool | None = None, cascade_decode: bool | None = None,
                  reuse_gathers: bool | None = None, decode_kernel: PagedDecodeKernel | None = None,
-                 prefill_kernel: PagedPrefillKernel | None = None, **kwargs) -> None:
+                 prefill_kernel: PagedPrefillKernel | None = None, prefill_dtype: torch.dtype | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.group = self.num_heads // self.num_kv_heads
         self.sdpa_prefill = self.device.type == "cuda" if sdpa_prefill is None else sdpa_prefill
         self.reuse_gathers = self.device.type == "cuda" if reuse_gathers is None else reuse_gathers
         self.decode_kernel = decode_kernel  # fp32 CPU caches only: the caller checks
         self.prefill_kernel = prefill_kernel  # fp32 CPU queries, chunks of more than one token: the caller checks
+        self.prefill_dtype = prefill_dtype  # PyTorch attends prefill chunks on copies in this dtype (None: as q)
         # cascade needs the log-sum-exp of each partial attention: CPU's flash kernel returns it
         self.cascade_decode = self.device.type == "cpu" if cascade_decode is None else cascade_decode
         self.cascade_decode &= decode_kernel is None  # the kernel walks a batch's shared prefix once itself
@@ -217,14 +220,15 @@ class TorchAttention(AttentionBackend):
                 out[c.begin : c.end] = self.prefill_kernel.run(q[c.begin : c.end].contiguous(), k_cache, v_cache,
                                                                c.blocks, c.start, self.scale, meta.threads)
                 continue
-            ck, cv = k[c.begin : c.end], v[c.begin : c.end]
+            ck, cv, qc = k[c.begin : c.end], v[c.begin : c.end], q[c.begin : c.end]
             if c.blocks is not None:
                 ck = _gather(k_cache, c.blocks, meta.buffers, ("k", i))[: c.end - c.begin + c.start]
                 cv = _gather(v_cache, c.blocks, meta.buffers, ("v", i))[: c.end - c.begin + c.start]
-            if narrow:
-                ck, cv = ck.to(q.dtype), cv.to(q.dtype)
+            dtype = self.prefill_dtype or q.dtype
+            if ck.dtype != dtype:  # an fp16 cache widened, or copies for bf16 attention
+                ck, cv, qc = ck.to(dtype), cv.to(dtype), qc.to(dtype)
             attend = self._sdpa_chunk if self.sdpa_prefill else self._flash_chunk
-            out[c.begin : c.end] = attend(q[c.begin : c.end], ck, cv, c.start)
+            out[c.begin : c.end] = attend(qc, ck, cv, c.start)  # back to q's dtype
         if meta.decode is not None:
             rows = meta.decode_rows
             out[rows] = self._decode(q[rows], k_cache, v_cache, meta.decode).view(len(rows), *q.shape[1:])

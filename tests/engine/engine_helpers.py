@@ -89,6 +89,15 @@ def hf_logits(model: transformers.PreTrainedModel, tokens: list[int]) -> torch.T
         return model(torch.tensor([tokens])).logits[0].float()
 
 
+def whole_and_resumed(runner: ModelRunner, tokens: list[int], split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All logits of ``tokens`` prefilled at once (blocks 0-9), and those of ``tokens[split:]`` prefilled after
+    ``tokens[:split]`` as a second chunk (blocks 10-19)."""
+    whole = runner.prefill([PrefillChunk(tokens, 0, list(range(10)))], all_logits=True)[0]
+    runner.prefill([PrefillChunk(tokens[:split], 0, list(range(10, 20)))])
+    resumed = runner.prefill([PrefillChunk(tokens[split:], split, list(range(10, 20)))], all_logits=True)[0]
+    return whole, resumed
+
+
 class GreedyDriver:
     """Drives a ModelRunner for several sequences: sequence ``i`` owns blocks ``[i*n, (i+1)*n)``."""
 

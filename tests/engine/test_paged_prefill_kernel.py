@@ -16,7 +16,16 @@ import sys
 
 import pytest
 import torch
-from engine_helpers import BF16_TOL, MAX_NEW, REL_TOL, greedy_generate, hf_logits, random_prompts, rel_err
+from engine_helpers import (
+    BF16_TOL,
+    MAX_NEW,
+    REL_TOL,
+    greedy_generate,
+    hf_logits,
+    random_prompts,
+    rel_err,
+    whole_and_resumed,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -251,9 +260,7 @@ def test_a_hybrid_runner_prefills_through_the_kernel_within_bf16_tolerance(kerne
                              prefill_attention=setting)
         assert (runner.prefill_kernel is kernel) == (setting == "auto")
         tokens = random_prompts([70], seed=21)[0]
-        whole = runner.prefill([PrefillChunk(tokens, 0, list(range(10)))], all_logits=True)[0]
-        runner.prefill([PrefillChunk(tokens[:45], 0, list(range(10, 20)))])
-        resumed = runner.prefill([PrefillChunk(tokens[45:], 45, list(range(10, 20)))], all_logits=True)[0]
+        whole, resumed = whole_and_resumed(runner, tokens, 45)
         assert rel_err(whole, hf_logits(hf, tokens)) < BF16_TOL
         assert rel_err(resumed, whole[45:]) < BF16_TOL
         runs[setting] = whole

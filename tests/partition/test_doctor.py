@@ -108,5 +108,11 @@ def test_doctor_names_the_cpu_engine_auto_runs_on_this_cpu_class(monkeypatch: py
         assert ("bf16 prefill attention" in engine) == bf16_attention
         assert ("fp32 prefill attention (compiled, AVX2)" in engine) == fp32_kernel
         assert ("fp32 prefill attention (PyTorch)" in engine) == (not bf16_attention and not fp32_kernel)
+    from agentserve.executor import attention
+
+    for amx in (True, False):  # AMX tiles: PyTorch's bf16 attention, whatever this CPU is
+        monkeypatch.setattr(linear, "cpu_has_fast_bf16", lambda: True)
+        monkeypatch.setattr(attention, "cpu_has_amx", lambda amx=amx: amx)
+        assert ("bf16 prefill attention (PyTorch, AMX)" in doctor_module.cpu_engine()) == amx
     result = CliRunner().invoke(doctor, ["--partition", "cpu-cores"])
     assert "cpu engine  fp32 activations" in result.output
