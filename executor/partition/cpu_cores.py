@@ -12,7 +12,10 @@ therefore calls ``get_num_threads`` before ``set_num_threads``.  Each lane threa
 worker team; a worker keeps the mask it was created with, so whenever a lane's cores change its team is
 re-pinned with it (:func:`~.omp_team.pin_team`; where the compiled library does not share PyTorch's OpenMP
 runtime, a reused worker may still run on the cores of an earlier rung — exact on 2 cores, where a
-partitioned lane has no workers).
+partitioned lane has no workers).  Outside its steps on several threads no thread of the executor keeps idle
+workers (:func:`~.omp_team.release_team`: the loader's when the backend is made, a lane's after binding, after
+each such step and when the loan narrows it to one thread): libgomp counts every pool's idle workers, and with
+more than there are CPUs it makes every barrier of every step sleep.
 
 A step of at most :data:`ONE_THREAD_MAX_TOKENS` tokens (a decode of a few sequences) runs on one
 intra-op thread: its matmuls are memory-bound, so one thread moves nearly what two do, while a second
@@ -50,7 +53,7 @@ import torch
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.core_loan import CoreLoan
 from agentserve.executor.partition.ladder import CPU_GRANULARITY, DEFAULT_SHARES, build_ladder
-from agentserve.executor.partition.omp_team import pin_team, shares_torch_runtime
+from agentserve.executor.partition.omp_team import pin_team, release_team, shares_torch_runtime
 from agentserve.protocol.lanes import CPU_CORES_BACKEND, Lane, Rung, openmp_binding
 
 log = logging.getLogger(__name__)
@@ -153,6 +156,7 @@ class CpuCoresBackend(PartitionBackend):
                 else f"the shared rung's prefill lane keeps normal priority (SCHED_IDLE: {why_not})"
             )
         shares_torch_runtime()  # now, not in a lane's first binding: it may build the CPU library (seconds)
+        release_team()  # the model loader's idle workers (this thread only reads rings from now on)
         note = reason or f"lanes are threads pinned to disjoint cores ({len(self.cores)} usable); {shared}"
         super().__init__(ladder, f"cpu ({len(self.cores)} cores)", note)
 
@@ -178,13 +182,15 @@ class CpuCoresBackend(PartitionBackend):
             if self.loan is not None and view is not None and set(view[0]) & set(cores):
                 self.loan.reclaim()  # decode moved onto cores a running prefill step holds: wait for its refit
         try:
-            pin_team(cores, len(cores))
+            if not release_team():  # else its next workers start on these cores
+                pin_team(cores, len(cores))
             with idle_priority(tid) if background else nullcontext(False) as idle:
                 yield LaneBinding(lane, rung, len(cores), threads=len(cores), cores=cores, idle=idle)
         finally:
             torch.set_num_threads(old_threads)
             os.sched_setaffinity(tid, old_mask)
-            pin_team(sorted(old_mask), min(old_threads, len(cores), len(old_mask)))  # those it re-pinned, at most
+            if not release_team():
+                pin_team(sorted(old_mask), min(old_threads, len(cores), len(old_mask)))  # those it re-pinned, at most
 
     @contextmanager
     def step_scope(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
@@ -201,15 +207,18 @@ class CpuCoresBackend(PartitionBackend):
     @staticmethod
     @contextmanager
     def _threads(want: int) -> Iterator[None]:
+        """``want`` intra-op threads for one step; a step on several ends its workers after it (:func:`release_team`:
+        idle workers of any thread make every other thread's barriers sleep, and a spinning one takes a core)."""
         before = torch.get_num_threads()  # the binding's, or a running step's when this one runs inside it
-        if want == before:
-            yield
-            return
-        torch.set_num_threads(want)
+        if want != before:
+            torch.set_num_threads(want)
         try:
             yield
         finally:
-            torch.set_num_threads(before)
+            if want != before:
+                torch.set_num_threads(before)
+            if want > 1:
+                release_team()
 
     @contextmanager
     def _borrowing(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
@@ -228,6 +237,7 @@ class CpuCoresBackend(PartitionBackend):
                 self._apply(binding.cores, binding.threads)
                 self._prefill_view = None
                 loan.give_back()
+                release_team()  # no idle workers between steps (see _threads)
 
     def between_layers(self, binding: LaneBinding) -> None:
         """The prefill lane between two layers of a shared-rung step: widen or narrow as decode needs its cores."""
@@ -258,7 +268,9 @@ class CpuCoresBackend(PartitionBackend):
         if view is None or view[0] != cores:
             os.sched_setaffinity(threading.get_native_id(), cores)
         torch.set_num_threads(threads)
-        if view is None or view[0] != cores or threads > view[1]:
+        if threads == 1 and view is not None and view[1] > 1:
+            release_team()  # a narrowed step's idle worker would spin on the cores just given back
+        elif view is None or view[0] != cores or threads > view[1]:
             pin_team(cores, threads)
         self._prefill_view = (cores, threads)
 

@@ -9,12 +9,21 @@
  * a region with fewer threads than the pool ends the surplus workers, a region with more creates the new
  * ones with the calling thread's mask as it is then, and a one-thread region leaves the pool alone, so a
  * worker parked by one-thread regions keeps its old mask until a larger team is pinned again (the caller
- * pins whenever the cores change or the thread count grows). */
+ * pins whenever the cores change or the thread count grows) or its pool is ended (agentserve_release_team). */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdint.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+/* omp_pause_resource_all (OpenMP 5.0) is in omp.h from GCC 9 and clang 8, whose _OPENMP still says 4.5; a weak
+ * reference, so a runtime without it (an older libgomp loaded first by PyTorch) leaves it NULL instead of failing
+ * the library's load. */
+#if defined(_OPENMP) && (_OPENMP >= 201811 || (!defined(__clang__) && __GNUC__ >= 9) || __clang_major__ >= 8)
+#define HAVE_PAUSE 1
+#pragma weak omp_pause_resource_all
+#else
+#define HAVE_PAUSE 0
 #endif
 
 /* The calling thread's nthreads ICV in this library's runtime (what torch.set_num_threads sets in its own). */
@@ -49,6 +58,19 @@ int agentserve_pin_team(int nthreads, const int *cpus, int ncpus) {
     return failed;
 #else
     (void)nthreads, (void)cpus, (void)ncpus;
+    return -1;
+#endif
+}
+
+/* End the calling thread's pool of idle workers (libgomp: joined, no longer counted as managed threads); its next
+ * parallel region of more than one thread creates new ones, with the calling thread's affinity mask as it is then.
+ * libgomp shortens every worker's spin-wait to ~100 iterations whenever it manages more threads than there are
+ * CPUs, counting every pool's idle workers: a thread's leftover pool slows every other thread's parallel regions.
+ * Returns 0, or -1 inside a parallel region or without OpenMP 5.0's omp_pause_resource_all. */
+int agentserve_release_team(void) {
+#if HAVE_PAUSE
+    return omp_pause_resource_all ? omp_pause_resource_all(omp_pause_soft) : -1;
+#else
     return -1;
 #endif
 }

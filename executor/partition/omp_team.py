@@ -8,7 +8,8 @@ thread's mask.  That reaches PyTorch's workers only when the library shares PyTo
 libgomp in the process, as with the current PyTorch wheels for Linux; older ones bundled a renamed copy);
 :func:`shares_torch_runtime` checks it once, by whether a thread count set through the library is what
 PyTorch then reports.  Where it is not shared, or there is no C compiler, the workers keep their masks
-(logged once) and nothing else changes.
+(logged once) and nothing else changes.  :func:`release_team` ends the calling thread's idle workers (a lane holds
+none between its wide steps: see there why).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class _Functions(NamedTuple):
     set_threads: Callable[[int], None]
     pin: Callable[..., int]
     masks: Callable[..., int]
+    release: Callable[[], int]
 
 
 @functools.cache
@@ -39,7 +41,8 @@ def _functions() -> _Functions | None:
     if lib is None:
         return None
     fns = _Functions(lib.agentserve_omp_max_threads, lib.agentserve_omp_set_num_threads, lib.agentserve_pin_team,
-                     lib.agentserve_team_masks)
+                     lib.agentserve_team_masks, lib.agentserve_release_team)
+    fns.release.argtypes, fns.release.restype = [], ctypes.c_int  # type: ignore[attr-defined]
     fns.max_threads.argtypes, fns.max_threads.restype = [], ctypes.c_int  # type: ignore[attr-defined]
     fns.set_threads.argtypes, fns.set_threads.restype = [ctypes.c_int], None  # type: ignore[attr-defined]
     fns.pin.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int]  # type: ignore[attr-defined]
@@ -86,6 +89,22 @@ def pin_team(cores: Sequence[int], threads: int) -> bool:
     assert fns is not None
     cpus = (ctypes.c_int * len(cores))(*cores)
     return fns.pin(threads, cpus, len(cores)) == 0
+
+
+def release_team() -> bool:
+    """End the calling thread's idle OpenMP workers (PyTorch's too, where the runtime is shared); its next product on
+    more than one thread starts new ones, on the thread's cores as they are then.  Whether they were ended.
+
+    libgomp lets a waiting worker spin before it sleeps only while it manages at most as many threads as there are
+    CPUs, and it counts every thread's pool of idle workers: with the loading thread's pool and one per lane alive
+    on two cores, every worker slept at every barrier and had to be woken, and a two-thread prefill step took
+    1.4-1.9x its time alone (docs/executor.md).  So a thread that will not run products on several threads for a while
+    calls this; never inside a parallel region."""
+    if not shares_torch_runtime():
+        return False
+    fns = _functions()
+    assert fns is not None
+    return fns.release() == 0
 
 
 def team_masks(threads: int) -> list[set[int]] | None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from agentserve.executor.partition.cpu_cores import CpuCoresBackend, usable_cores
-from agentserve.executor.partition.omp_team import pin_team, shares_torch_runtime, team_masks
+from agentserve.executor.partition.omp_team import pin_team, release_team, shares_torch_runtime, team_masks
 from agentserve.protocol.lanes import OPENMP_BINDING_ENV, Lane, openmp_binding
 
 
@@ -174,3 +174,67 @@ def test_the_backend_says_when_openmp_pinned_the_process(monkeypatch, caplog) ->
     monkeypatch.setenv("OMP_PROC_BIND", "spread")
     usable_cores()
     assert "OMP_PROC_BIND=spread is set" in caplog.text
+
+
+def tasks() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def test_release_team_ends_the_calling_threads_idle_workers(cores: tuple[int, int]) -> None:
+    """Idle workers of any thread make libgomp cut every worker's spin-wait short (more managed threads than CPUs):
+    a thread that will not run wide products for a while ends its own."""
+    x = torch.randn(256, 256)
+
+    def body() -> None:
+        torch.set_num_threads(2)
+        before = tasks()
+        torch.mm(x, x)
+        assert len(tasks() - before) == 1, "the premise: a two-thread product leaves one idle worker"
+        assert release_team()
+        assert tasks() == before
+        torch.mm(x, x)  # the next wide product starts a new one
+        assert len(tasks() - before) == 1
+
+    in_thread(body)
+
+
+def test_a_wide_step_leaves_no_idle_worker_and_the_backend_ends_its_creators(cores: tuple[int, int]) -> None:
+    a, b = cores
+    x = torch.randn(256, 256)
+
+    def body() -> None:
+        torch.set_num_threads(2)
+        before = tasks()
+        torch.mm(x, x)  # as the executor's main thread loads the model
+        cpu = CpuCoresBackend(cores=cores)
+        try:
+            assert tasks() == before
+            top = cpu.ladder[-1]
+            with cpu.lane_context(Lane.DECODE, top.index) as binding:
+                assert tasks() == before, "binding pinned a team, then ended it: its next step starts workers there"
+                with cpu.step_scope(binding, 64):
+                    torch.mm(x, x)
+                    assert len(tasks() - before) == 1
+                assert tasks() == before
+        finally:
+            cpu.close()
+
+    in_thread(body)
+
+
+def test_the_prefill_lane_narrowed_to_one_thread_ends_its_worker(
+    cores: tuple[int, int], cpu: CpuCoresBackend
+) -> None:
+    """Else, no longer throttled, the idle worker would spin for milliseconds on the core given back to decode."""
+    a, b = cores
+    x = torch.randn(256, 256)
+
+    def body() -> None:
+        before = tasks()
+        cpu._apply((a, b), 2)
+        torch.mm(x, x)
+        assert len(tasks() - before) == 1
+        cpu._apply((b,), 1)
+        assert tasks() == before
+
+    in_thread(body)
