@@ -165,9 +165,10 @@ def _ready_then_signal(*flags: str, sig: signal.Signals = signal.SIGINT, times: 
     does not stop); its stderr.  It must have served, stopped cleanly (exit 0) and left no segment and no process.
     ``hangup_ignored``: started as ``nohup`` starts it, and SIGTERM sent 1 s after ``sig``."""
     run = f"r{uuid.uuid4().hex[:6]}"
-    nohup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if hangup_ignored else None
+    # as nohup starts it, or as a terminal does: not whatever this process inherited (pytest under nohup ignores it)
+    hangup = signal.SIG_IGN if hangup_ignored else signal.SIG_DFL
     proc = subprocess.Popen(["agentserve", "up", "--model", "tiny", "--run", run, *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=nohup)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup))
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120
