@@ -149,16 +149,15 @@ def gated_mlp(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX); otherwise bf16 matmuls crawl."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
-
-
-@functools.cache
 def cpu_has_amx() -> bool:
     """True when the CPU has AMX tiles, on which PyTorch multiplies bf16 (its CPU flash attention included)."""
     return getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX); otherwise bf16 matmuls crawl."""
+    return getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or cpu_has_amx()
 
 
 @functools.cache
