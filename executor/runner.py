@@ -382,7 +382,7 @@ class ModelRunner(RunnerGraphs):
         if self.fused_decode is not None:
             meta = self.attention.plan(batch)
             hidden = self.fused_decode(ids, positions, meta.slots, meta.block_tables, meta.lens, self.kv_cache,
-                                       meta.threads)
+                                       torch.get_num_threads())
             return self.model.logits(hidden)
         return self.model.logits(self._forward(ids, positions, batch))
 

@@ -73,7 +73,6 @@ class _PrefillPlan:
     decode_rows: torch.Tensor | None = None  # rows of one-token continuations, attended as a decode batch
     decode: _DecodePlan | None = None
     buffers: GatherBuffers | None = None  # reused gathers (CUDA), else None
-    threads: int = 1  # intra-op threads of the planning (= running) lane thread, for the prefill kernel
 
 
 @dataclass
@@ -82,7 +81,6 @@ class _DecodePlan:
     block_tables: torch.Tensor  # [B, max_blocks] each row's own blocks (padded with block 0, masked out)
     lens: torch.Tensor  # [B] int64 tokens of each row's own blocks
     block_size: int
-    threads: int = 1  # intra-op threads of the planning (= running) lane thread, for the compiled kernel
     shared: torch.Tensor | None = None  # [P] blocks every row starts with (cascade), else None
     shared_run: int | None = None  # first block when ``shared`` is one run of consecutive blocks (a view)
     bool_mask: torch.Tensor | None = None  # :meth:`mask`, made on first use (the compiled kernel reads lens)
@@ -175,8 +173,7 @@ class TorchAttention(AttentionBackend):
                     blocks = torch.tensor(table[:n], dtype=torch.int64).to(self.device, non_blocking=True)
                 chunks.append(_Chunk(begin, begin + qlen, start, blocks, kernel))
             begin += qlen
-        plan = _PrefillPlan(slots, chunks, buffers=GatherBuffers() if self.reuse_gathers else None,
-                            threads=torch.get_num_threads())
+        plan = _PrefillPlan(slots, chunks, buffers=GatherBuffers() if self.reuse_gathers else None)
         if decodes:
             idx = [i for i, _ in decodes]
             sub = AttentionBatch(True, [1] * len(idx), [batch.start_pos[i] for i in idx],
@@ -202,8 +199,8 @@ class TorchAttention(AttentionBackend):
         padded = [r + [0] * (width - len(r)) for r in rows]
         tables = torch.tensor(padded, dtype=torch.int64).to(self.device, non_blocking=True)
         lens = torch.tensor(seq_lens, dtype=torch.int64).to(self.device, non_blocking=True)
-        return _DecodePlan(slots, tables, lens, bs, torch.get_num_threads(), shared, run,
-                           buffers=GatherBuffers() if self.reuse_gathers else None)
+        buffers = GatherBuffers() if self.reuse_gathers else None
+        return _DecodePlan(slots, tables, lens, bs, shared, run, buffers=buffers)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: _PrefillPlan | _DecodePlan) -> torch.Tensor:
@@ -215,10 +212,12 @@ class TorchAttention(AttentionBackend):
         if isinstance(meta, _DecodePlan):
             return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
+        # the lane's thread count now, not the plan's: between two layers the core loan may narrow or widen it
+        threads = torch.get_num_threads()
         for i, c in enumerate(meta.chunks):
             if c.kernel:
                 out[c.begin : c.end] = self.prefill_kernel.run(q[c.begin : c.end].contiguous(), k_cache, v_cache,
-                                                               c.blocks, c.start, self.scale, meta.threads)
+                                                               c.blocks, c.start, self.scale, threads)
                 continue
             ck, cv, qc = k[c.begin : c.end], v[c.begin : c.end], q[c.begin : c.end]
             if c.blocks is not None:
@@ -239,7 +238,7 @@ class TorchAttention(AttentionBackend):
         b = q.shape[0]
         if self.decode_kernel is not None:
             out = self.decode_kernel.run(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.lens, self.scale,
-                                         meta.threads)
+                                         torch.get_num_threads())  # now: a riding decode's layer may run narrowed
             return out.view(b, -1)
         kc = _gather(k_cache, meta.block_tables, meta.buffers, "k").to(q.dtype).transpose(1, 2)  # [B, kv_heads, S, D]
         vc = _gather(v_cache, meta.block_tables, meta.buffers, "v").to(q.dtype).transpose(1, 2)

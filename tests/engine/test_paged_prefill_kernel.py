@@ -195,6 +195,42 @@ def test_a_mixed_step_sends_only_its_longer_chunks_to_the_kernel(any_kernel):
         assert 0 < rel_err(got[rows], want[rows]) < (2e-2 if kernel.variant == "bf16" else 1e-5)
 
 
+class _Counting:
+    """A kernel that records the thread count of each call (and runs the real one)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.threads = inner, []
+
+    def run(self, *args):
+        self.threads.append(args[-1])
+        return self.inner.run(*args)
+
+
+def test_the_kernel_runs_on_the_threads_of_the_moment_not_of_the_plan(any_kernel):
+    """A prefill step plans once, then the core loan narrows its lane between two layers (decode wants its core):
+    the layers after that must attend on one thread.  A count taken at planning started a second thread there,
+    which the kernel's region created beside the lane thread on its one remaining core."""
+    heads, kv_heads, dim, bs = 4, 2, 32, 8
+    g = torch.Generator().manual_seed(3)
+    lens, starts, tables = [24], [16], [list(range(6))]
+    slots = torch.tensor([tables[0][p // bs] * bs + p % bs for p in range(16, 40)])
+    q, k, v = (torch.randn(24, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    cache = [torch.randn(8, bs, kv_heads, dim, generator=g).half() for _ in range(2)]
+    counting = _Counting(any_kernel)
+    backend = TorchAttention(heads, kv_heads, dim, bs, CPU, prefill_kernel=counting)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        meta = backend.plan(AttentionBatch(False, lens, starts, tables, slots))
+        torch.set_num_threads(1)  # narrowed between layers
+        backend.forward(q, k, v, *cache, meta)
+        torch.set_num_threads(2)  # widened again
+        backend.forward(q, k, v, *cache, meta)
+    finally:
+        torch.set_num_threads(before)
+    assert counting.threads == [1, 2]
+
+
 def prefill_kernel(setting: str, bf16_rows: bool, backend: str = "auto"):
     return create_backend(backend, 4, 2, 32, 16, CPU, F32, torch.float16, setting, bf16_rows).prefill_kernel
 
