@@ -190,7 +190,7 @@ class CpuCoresBackend(PartitionBackend):
             torch.set_num_threads(old_threads)
             os.sched_setaffinity(tid, old_mask)
             if not release_team():
-                pin_team(sorted(old_mask), min(old_threads, len(cores), len(old_mask)))  # those it re-pinned, at most
+                pin_team(sorted(old_mask), min(old_threads, len(cores), len(old_mask)), one_core_each=False)
 
     @contextmanager
     def step_scope(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
@@ -233,11 +233,13 @@ class CpuCoresBackend(PartitionBackend):
             self._prefill_steps.pop()
             if self._prefill_steps:
                 self._fit(binding)  # a preempting step ran inside a chunk: the chunk's width again
-            else:  # between steps the lane holds nothing: back to the binding's view, the cores returned
-                self._apply(binding.cores, binding.threads)
+            else:  # between steps the lane holds nothing: no idle workers (see _threads), the cores returned,
+                release_team()  # and the lane thread on its own cores, where its next step starts
+                own = self._own_cores(binding) or binding.cores
+                os.sched_setaffinity(threading.get_native_id(), own)
+                torch.set_num_threads(len(own))
                 self._prefill_view = None
                 loan.give_back()
-                release_team()  # no idle workers between steps (see _threads)
 
     def between_layers(self, binding: LaneBinding) -> None:
         """The prefill lane between two layers of a shared-rung step: widen or narrow as decode needs its cores."""
@@ -261,7 +263,9 @@ class CpuCoresBackend(PartitionBackend):
     def _apply(self, cores: tuple[int, ...], threads: int) -> None:
         """Pin the calling (prefill lane) thread to ``cores`` with ``threads`` intra-op threads, if not already;
         its OpenMP workers follow when the cores change or the team grows (a worker parked by one-thread steps
-        kept the mask it had)."""
+        kept the mask it had).  One core per team thread, the lane's own first: the lane thread stays on its own
+        core, and the workers on decode's are the ones a narrowing ends."""
+        cores = tuple(sorted(cores, key=lambda c: c in self._decode_home))
         view = self._prefill_view
         if view == (cores, threads):
             return

@@ -44,20 +44,29 @@ void agentserve_omp_set_num_threads(int n) {
 #endif
 }
 
-/* Pin the calling thread and the first nthreads - 1 workers of its team to cpus[0..ncpus-1].
+/* Pin the calling thread and the first nthreads - 1 workers of its team to cpus[0..ncpus-1]: with one_each, team
+ * thread i to cpus[i % ncpus] alone (the calling thread to cpus[0]), else every one of them to the whole set.
  * Returns the number of team threads whose mask could not be set (0: all), or -1 without OpenMP. */
-int agentserve_pin_team(int nthreads, const int *cpus, int ncpus) {
+int agentserve_pin_team(int nthreads, const int *cpus, int ncpus, int one_each) {
 #ifdef _OPENMP
-    cpu_set_t set;
-    CPU_ZERO(&set);
+    cpu_set_t all;
+    CPU_ZERO(&all);
     for (int i = 0; i < ncpus; i++)
-        if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE) CPU_SET(cpus[i], &set);
+        if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE) CPU_SET(cpus[i], &all);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(+ : failed)
-    failed += sched_setaffinity(0, sizeof set, &set) != 0;
+    {
+        cpu_set_t set = all;
+        int cpu = ncpus > 0 ? cpus[omp_get_thread_num() % ncpus] : -1;
+        if (one_each && cpu >= 0 && cpu < CPU_SETSIZE) {
+            CPU_ZERO(&set);
+            CPU_SET(cpu, &set);
+        }
+        failed += sched_setaffinity(0, sizeof set, &set) != 0;
+    }
     return failed;
 #else
-    (void)nthreads, (void)cpus, (void)ncpus;
+    (void)nthreads, (void)cpus, (void)ncpus, (void)one_each;
     return -1;
 #endif
 }

@@ -45,7 +45,8 @@ def _functions() -> _Functions | None:
     fns.release.argtypes, fns.release.restype = [], ctypes.c_int  # type: ignore[attr-defined]
     fns.max_threads.argtypes, fns.max_threads.restype = [], ctypes.c_int  # type: ignore[attr-defined]
     fns.set_threads.argtypes, fns.set_threads.restype = [ctypes.c_int], None  # type: ignore[attr-defined]
-    fns.pin.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int]  # type: ignore[attr-defined]
+    fns.pin.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int,  # type: ignore[attr-defined]
+                        ctypes.c_int]
     fns.masks.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]  # type: ignore[attr-defined]
     fns.pin.restype = fns.masks.restype = ctypes.c_int  # type: ignore[attr-defined]
     return fns
@@ -78,17 +79,22 @@ def shares_torch_runtime() -> bool:
     return shared
 
 
-def pin_team(cores: Sequence[int], threads: int) -> bool:
-    """Pin the calling thread and the first ``threads - 1`` workers of its OpenMP team to ``cores``.
+def pin_team(cores: Sequence[int], threads: int, one_core_each: bool = True) -> bool:
+    """Pin the calling thread and the first ``threads - 1`` workers of its OpenMP team to ``cores``: team thread
+    ``i`` to ``cores[i % len(cores)]`` alone (the calling thread to ``cores[0]``), or with ``one_core_each=False``
+    each of them to all of ``cores``.
 
-    Whether they were moved (``False`` where the runtime is not shared or a mask could not be set); a team
-    of one thread has no workers and needs nothing."""
+    One core each, because a team pinned to a shared mask is placed by the kernel's scheduler, which starts a new
+    worker beside the thread that woke it and moves it only at its next balancing: a two-thread prefill step on two
+    cores then ran both halves of every product on one core for part of the step (seen in a server's scheduler
+    trace) while the other core idled.  Whether they were moved (``False`` where the runtime is not shared or a mask
+    could not be set); a team of one thread has no workers and needs nothing."""
     if threads <= 1 or not shares_torch_runtime():
         return False
     fns = _functions()
     assert fns is not None
     cpus = (ctypes.c_int * len(cores))(*cores)
-    return fns.pin(threads, cpus, len(cores)) == 0
+    return fns.pin(threads, cpus, len(cores), int(one_core_each)) == 0
 
 
 def release_team() -> bool:

@@ -73,6 +73,24 @@ def test_a_worker_keeps_its_mask_when_its_thread_narrows_until_the_team_is_pinne
     in_thread(body)
 
 
+def test_a_team_is_pinned_one_core_per_thread_unless_asked_to_share_the_set(cores: tuple[int, int]) -> None:
+    """A worker started beside its thread stays on that thread's core until the kernel balances, while the other
+    core idles: pinned one per core, the two halves of a product never share a core."""
+    a, b = cores
+
+    def body() -> None:
+        torch.set_num_threads(2)
+        assert pin_team((b, a), 2)
+        assert team_masks(2) == [{b}, {a}]
+        assert os.sched_getaffinity(threading.get_native_id()) == {b}
+        assert pin_team((a, b), 2, one_core_each=False)
+        assert team_masks(2) == [{a, b}, {a, b}]
+        assert pin_team((a,), 2)  # more threads than cores: they take turns on them
+        assert team_masks(2) == [{a}, {a}]
+
+    in_thread(body)
+
+
 def test_a_team_of_one_thread_needs_no_pinning(cores: tuple[int, int]) -> None:
     assert not pin_team(cores, 1)
 
@@ -83,12 +101,12 @@ def test_the_prefill_lane_narrowing_takes_its_workers_off_decodes_core(
     a, b = cores
 
     def body() -> None:
-        cpu._apply((a, b), 2)  # a wide step: the worker is created on both cores
-        assert team_masks(2) == [{a, b}, {a, b}]
+        cpu._apply((a, b), 2)  # a wide step: the lane thread on its own core, the worker on decode's
+        assert team_masks(2) == [{b}, {a}]
         cpu._apply((b,), 2)  # narrowed with two threads (on more cores: several on its own cores)
         assert team_masks(2) == [{b}, {b}]
         cpu._apply((a, b), 2)
-        assert team_masks(2) == [{a, b}, {a, b}]
+        assert team_masks(2) == [{b}, {a}]
 
     in_thread(body)
 
