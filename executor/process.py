@@ -148,7 +148,8 @@ class Executor:
         num_tokens = sum(max(1, len(s.token_ids)) for s in plan.seqs)
         label = f"{lane.name.lower()} rung {plan.rung} batch {len(plan.seqs)} tokens {num_tokens}"
         try:
-            with self.backend.step_scope(binding, num_tokens), timed_step(binding.stream, label) as clock:
+            scope = self.backend.step_scope(binding, num_tokens, plan.hold_cores)
+            with scope, timed_step(binding.stream, label) as clock:
                 seqs = self.step.run(plan)
         except Exception as e:  # noqa: BLE001 - a failed step is reported, the lane lives on
             self._last_end[lane] = time.monotonic()

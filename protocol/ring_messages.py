@@ -55,6 +55,9 @@ class Plan(WireStruct, tag="plan"):
     # on CPU cores, run inside the step the lane is running, at its next layer boundary (a resume sent ahead
     # of a cold chunk in flight): its Result then comes back before that step's; else in its turn
     preempt: bool = False
+    # on CPU cores, a shared-rung prefill step (resumes only) that takes the decode lane's cores once the decode step
+    # running ends and keeps them to its end, decode waiting: a resume on every core, as under fcfs
+    hold_cores: bool = False
 
 
 class Release(WireStruct, tag="release"):

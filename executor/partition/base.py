@@ -109,11 +109,13 @@ class PartitionBackend(ABC):
         with self._guard.lease((Lane(lane), r.index)), self._bind(Lane(lane), r) as binding:
             yield binding
 
-    def step_scope(self, binding: LaneBinding, num_tokens: int) -> AbstractContextManager[None]:
+    def step_scope(
+        self, binding: LaneBinding, num_tokens: int, hold_cores: bool = False
+    ) -> AbstractContextManager[None]:
         """Settings for one step of ``num_tokens`` tokens inside ``binding`` (enter on the lane thread).
 
         None by default; the CPU backend picks the step's intra-op thread count and lends decode's idle cores to
-        a shared-rung prefill step."""
+        a shared-rung prefill step (``hold_cores``: ``Plan.hold_cores``, decode's cores to the step's end)."""
         return nullcontext()
 
     def between_layers(self, binding: LaneBinding) -> None:

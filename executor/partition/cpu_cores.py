@@ -193,11 +193,12 @@ class CpuCoresBackend(PartitionBackend):
                 pin_team(sorted(old_mask), min(old_threads, len(cores), len(old_mask)), one_core_each=False)
 
     @contextmanager
-    def step_scope(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
+    def step_scope(self, binding: LaneBinding, num_tokens: int, hold_cores: bool = False) -> Iterator[None]:
         """One intra-op thread for a step of at most ``ONE_THREAD_MAX_TOKENS`` tokens, the binding's count otherwise;
-        with the core loan, a decode step first takes its cores back and a shared-rung prefill step borrows them."""
+        with the core loan, a decode step first takes its cores back and a shared-rung prefill step borrows them
+        (with ``hold_cores``, to its end: :meth:`.CoreLoan.hold`)."""
         if self.loan is not None and binding.lane == Lane.PREFILL and not binding.rung.partitioned:
-            with self._borrowing(binding, num_tokens):
+            with self._borrowing(binding, num_tokens, hold_cores):
                 yield
             return
         waiting = self.loan.decode_step() if self.loan is not None and binding.lane == Lane.DECODE else nullcontext()
@@ -221,16 +222,21 @@ class CpuCoresBackend(PartitionBackend):
                 release_team()
 
     @contextmanager
-    def _borrowing(self, binding: LaneBinding, num_tokens: int) -> Iterator[None]:
-        """A prefill step on the shared rung: on every core while decode lends them, refitted between layers."""
+    def _borrowing(self, binding: LaneBinding, num_tokens: int, hold: bool) -> Iterator[None]:
+        """A prefill step on the shared rung: on every core while decode lends them (or to its end, held), refitted
+        between layers."""
         loan = self.loan
         assert loan is not None
+        if hold:
+            loan.hold()
         self._prefill_steps.append(num_tokens)
         try:
             self._fit(binding)
             yield
         finally:
             self._prefill_steps.pop()
+            if hold:
+                loan.end_hold()
             if self._prefill_steps:
                 self._fit(binding)  # a preempting step ran inside a chunk: the chunk's width again
             else:  # between steps the lane holds nothing: no idle workers (see _threads), the cores returned,
@@ -250,7 +256,7 @@ class CpuCoresBackend(PartitionBackend):
         loan = self.loan
         assert loan is not None
         own = self._own_cores(binding)
-        wide = not own or (not loan.wanted_back() if loan.lent else loan.try_borrow())
+        wide = not own or loan.held or (not loan.wanted_back() if loan.lent else loan.try_borrow())
         cores = binding.cores if wide else own
         self._apply(cores, step_threads(self._prefill_steps[-1], len(cores)))
         if not wide:
@@ -283,6 +289,7 @@ class CpuCoresBackend(PartitionBackend):
         if self.loan is not None:
             loan = self.loan
             mean_ms = 1e3 * loan.wait_s / loan.waits if loan.waits else 0.0
-            log.info("core loan: the prefill lane borrowed decode's cores %d times; %d decode steps waited for them "
-                     "(%.1f ms on average), %d ran before they came back (after %.0f ms)", loan.borrows, loan.waits,
-                     mean_ms, loan.late_returns, 1e3 * loan.return_timeout_s)
+            log.info("core loan: the prefill lane borrowed decode's cores %d times (%d held to a step's end); "
+                     "%d decode steps waited for them (%.1f ms on average), %d ran before they came back (after %.0f "
+                     "ms, %.0f ms held)", loan.borrows, loan.holds, loan.waits, mean_ms, loan.late_returns,
+                     1e3 * loan.return_timeout_s, 1e3 * loan.hold_timeout_s)

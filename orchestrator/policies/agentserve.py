@@ -129,6 +129,13 @@ class AgentServe(Policy):
             self.add_prefills(batch, q, Phase.RESUME, budget, admit_new=not starving)
         return budget, rung
 
+    def holds_decode_cores(self, lane: Lane, batch: Batch) -> bool:
+        """A borrowing prefill-lane step of resumes only (``resumes_hold_decode_cores``): it runs on every core even
+        while agents decode, which wait for it — a resume is short, and on one core beside decode it took 1.7-1.9x as
+        long (docs/scheduler.md has the figures)."""
+        return (lane is Lane.PREFILL and self.borrows and self.config.scheduler.resumes_hold_decode_cores
+                and bool(batch.entries) and all(req.phase is Phase.RESUME for req, *_ in batch.entries))
+
     def fill_preempting(self, batch: Batch, q: Queues, now: float, running: list[Entry],
                         preempted: int) -> tuple[int, int] | None:
         """Waiting resumes, to run inside the cold chunk in flight at its next layer boundary

@@ -42,6 +42,11 @@ class Policy:
     def fill(self, lane: Lane, batch: Batch, q: Queues, now: float, other_rung: int | None) -> tuple[int, int] | None:
         raise NotImplementedError
 
+    def holds_decode_cores(self, lane: Lane, batch: Batch) -> bool:
+        """Whether the lane's step in ``batch`` keeps the decode lane's cores to its end (``Plan.hold_cores``, CPU
+        cores); no by default."""
+        return False
+
     def fill_preempting(self, batch: Batch, q: Queues, now: float, running: list[Entry],
                         preempted: int) -> tuple[int, int] | None:
         """A plan to run inside the prefill lane's plan in flight (``running``: its entries; ``preempted``:

@@ -40,6 +40,7 @@ class SchedCfg:
     resume_ride_after_ms: float = 150.0
     preempt_cold_chunks: bool = True
     prefill_borrows_decode_cores: bool = True
+    resumes_hold_decode_cores: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -418,7 +418,8 @@ class Scheduler:
             self.preempting.append(Inflight(step, running.rung, batch.entries, now))
             rung = running.rung
         self.counters["plans"] += 1
-        return Plan(step, lane, rung, budget, batch.seqs, preempt=running is not None), batch.blocked
+        hold = self.policy.holds_decode_cores(lane, batch)
+        return Plan(step, lane, rung, budget, batch.seqs, preempt=running is not None, hold_cores=hold), batch.blocked
 
     def _other_rung(self, lane: Lane) -> int | None:
         """The rung the other lane holds: the full rung if any of its queued plans is on it, else its last."""

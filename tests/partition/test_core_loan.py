@@ -53,6 +53,46 @@ def test_a_decode_step_waits_until_the_cores_come_back() -> None:
     assert loan.waits == 1 and loan.wait_s >= 0.1, "the step's wait is tallied"
 
 
+def test_a_held_step_waits_for_the_running_decode_step_then_keeps_the_cores_to_its_end() -> None:
+    """A resume takes decode's cores even while agents decode: after the decode step running now, never inside it,
+    and decode's next step waits for the whole held step, past the layer-boundary return timeout."""
+    loan = CoreLoan(widen_after_s=10.0, return_timeout_s=0.05, hold_timeout_s=10.0)
+    in_decode, decode_may_end, held = threading.Event(), threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def decode_steps() -> None:
+        with loan.decode_step():
+            in_decode.set()
+            decode_may_end.wait(10)
+            order.append("decode 1 ends")
+        with loan.decode_step() as returned:
+            order.append(f"decode 2 ({returned})")
+
+    def prefill() -> None:
+        loan.hold()
+        order.append("hold taken")
+        held.set()
+        assert loan.lent and loan.held
+        assert not loan.try_borrow() or loan.lent  # holding: no second borrow needed
+        time.sleep(0.2)  # longer than return_timeout_s: a held step is not cut short
+        order.append("hold ends")
+        loan.end_hold()
+        loan.give_back()
+
+    d = threading.Thread(target=decode_steps)
+    d.start()
+    assert in_decode.wait(10)
+    assert not loan.try_borrow(), "premise: decode is busy, a plain borrow fails"
+    p = threading.Thread(target=prefill)
+    p.start()
+    assert not held.wait(0.1), "the hold came inside a running decode step"
+    decode_may_end.set()
+    d.join(10)
+    p.join(10)
+    assert order == ["decode 1 ends", "hold taken", "hold ends", "decode 2 (True)"]
+    assert loan.holds == 1 and loan.late_returns == 0 and not loan.lent
+
+
 def test_a_decode_step_runs_anyway_once_the_return_is_late() -> None:
     loan = CoreLoan(widen_after_s=0.0, return_timeout_s=0.05)
     assert loan.try_borrow()
@@ -176,6 +216,48 @@ def test_a_shared_rung_prefill_step_gives_decode_its_core_at_the_next_layer_and_
     assert not cpu.loan.lent and cpu.loan.borrows == 2
 
 
+def test_a_held_prefill_step_runs_on_every_core_through_its_layers_while_decode_waits(cpu: CpuCoresBackend) -> None:
+    top = cpu.ladder[-1].index
+    cpu.loan = CoreLoan(widen_after_s=10.0, return_timeout_s=0.05, hold_timeout_s=10.0)  # decode counts as busy
+    started, decode_sent = threading.Event(), threading.Event()
+    views: dict[str, tuple[tuple[int, ...], int]] = {}
+    times: dict[str, float] = {}
+
+    def resume(binding):
+        with cpu.step_scope(binding, 56, hold_cores=True):
+            views["layer0"] = _view()
+            started.set()
+            decode_sent.wait(10)
+            time.sleep(0.1)  # decode is waiting for its core by now
+            between_layers()
+            views["layer1"] = _view()
+            times["end"] = time.monotonic()
+
+    def plain(binding):
+        with cpu.step_scope(binding, 56):
+            views["plain"] = _view()
+
+    def decode_step(binding):
+        with cpu.step_scope(binding, 1):
+            times["decode"] = time.monotonic()
+
+    with LaneWorker(cpu, Lane.PREFILL, rung=top) as pre, LaneWorker(cpu, Lane.DECODE, rung=0) as dec:
+        dec.submit(lambda b: None).result(10)
+        dec.submit(decode_step).result(10)  # decode ran just now: a plain borrow waits widen_after_s
+        pre.submit(plain).result(10)
+        running = pre.submit(resume)
+        assert started.wait(10)
+        stepped = dec.submit(decode_step)
+        decode_sent.set()
+        stepped.result(10)
+        running.result(10)
+    own = tuple(c for c in cpu.cores if c not in cpu.cores_for(Lane.DECODE, cpu.ladder[0]))
+    assert views["plain"] == (own, len(own)), "premise: decode busy, a plain step keeps to its own cores"
+    assert views["layer0"] == views["layer1"] == (cpu.cores, len(cpu.cores)), "held: wide through its layers"
+    assert times["decode"] > times["end"], "decode ran inside the held step"
+    assert cpu.loan.holds == 1 and cpu.loan.late_returns == 0 and not cpu.loan.lent
+
+
 def test_a_preempting_step_inside_a_borrowing_chunk_gives_the_core_back_between_its_own_layers(
     cpu: CpuCoresBackend,
 ) -> None:
@@ -285,5 +367,6 @@ def test_closing_the_backend_logs_the_loans_tally(cpu: CpuCoresBackend, caplog: 
     cpu.loan.give_back()
     with caplog.at_level("INFO", logger="agentserve.executor.partition.cpu_cores"):
         cpu.close()
-    assert "borrowed decode's cores 1 times; 0 decode steps waited for them (0.0 ms on average), 0 ran before" \
+    assert "borrowed decode's cores 1 times (0 held to a step's end); 0 decode steps waited for them (0.0 ms on " \
+        "average), 0 ran before" \
         in caplog.text

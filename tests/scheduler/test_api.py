@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 from simulation.fake_executor import FakeExecutor, ready
@@ -439,6 +440,21 @@ def test_a_resume_beside_a_cold_prefill_waits_for_the_prefill_lane_or_rides_in_d
     d.sched.check()
 
 
+def _plans_while_resumes_arrive(d: Driver, cold: int, max_resumes: int) -> Iterator[tuple[Plan, set[int]]]:
+    """Land steps and send plans while a 60-token resume arrives every third step (``max_resumes`` in all), until
+    the cold prefill ``cold`` is computed; yields each plan with the resumes sent so far."""
+    resumes: set[int] = set()
+    for i in range(400):
+        if i % 3 == 0 and len(resumes) < max_resumes:
+            prompt = list(range(300 + i, 360 + i))
+            resumes.add(d.sched.submit(d.sched.open_session(), prompt, SamplingParams(max_tokens=2)))
+        d.land()
+        for p in d.pump():
+            yield p, resumes
+        if d.sched.requests.get(cold) is None or d.sched.requests[cold].num_computed >= 3000:
+            return
+
+
 @pytest.mark.parametrize("preempt", [False, True])
 def test_resumes_and_cold_chunks_take_turns_on_the_prefill_lane(preempt):
     """Resumes go before the next cold chunk, but never two resume turns running while a cold prefill waits
@@ -446,25 +462,35 @@ def test_resumes_and_cold_chunks_take_turns_on_the_prefill_lane(preempt):
     d = Driver()  # resumes never ride: all of them take the prefill lane
     _with_scheduler(d, resume_ride_after_ms=1e6, preempt_cold_chunks=preempt)
     _, cold = _decoding_beside_a_cold_prefill(d)
-    resumes = set()
     kinds = []
-    for i in range(400):
-        if i % 3 == 0 and len(resumes) < 12:
-            prompt = list(range(300 + i, 360 + i))
-            resumes.add(d.sched.submit(d.sched.open_session(), prompt, SamplingParams(max_tokens=2)))
-        d.land()
-        for p in d.pump():
-            if p.lane is Lane.PREFILL:
-                ids = {s.seq_id for s in p.seqs}
-                assert ids <= resumes or ids == {cold}, "a step is resumes only or the cold chunk only"
-                assert not (p.preempt and kinds and kinds[-1] != "cold"), "only a chunk sent before is entered"
-                kinds.append("cold" if cold in ids else "preempt" if p.preempt else "resume")
-        if d.sched.requests.get(cold) is None or d.sched.requests[cold].num_computed >= 3000:
-            break
+    for p, resumes in _plans_while_resumes_arrive(d, cold, 12):
+        if p.lane is Lane.PREFILL:
+            ids = {s.seq_id for s in p.seqs}
+            assert ids <= resumes or ids == {cold}, "a step is resumes only or the cold chunk only"
+            assert not (p.preempt and kinds and kinds[-1] != "cold"), "only a chunk sent before is entered"
+            kinds.append("cold" if cold in ids else "preempt" if p.preempt else "resume")
     turns = ["resume" if k == "preempt" else k for k in kinds]
     assert "resume" in turns and kinds.count("cold") >= 3000 // d.sched.config.scheduler.cold_chunk_tokens - 1
     assert ("preempt" in kinds) == preempt
     assert all(not (a == b == "resume") for a, b in zip(turns, turns[1:], strict=False)), kinds
+    d.sched.check()
+
+
+@pytest.mark.parametrize("backend, setting, holds", [
+    (CPU_CORES_BACKEND, True, True), (CPU_CORES_BACKEND, False, False), ("fake", True, False)])
+def test_on_cpu_cores_a_prefill_step_of_resumes_only_holds_decodes_cores(backend, setting, holds):
+    """``Plan.hold_cores`` (``resumes_hold_decode_cores``, where the prefill lane borrows decode's cores): the
+    prefill lane's resume steps, those entering a chunk included, run on every core even while agents decode;
+    cold chunks and decode steps never hold them, nor does anything on a GPU."""
+    d = Driver(backend=backend)
+    _with_scheduler(d, resume_ride_after_ms=1e6, resumes_hold_decode_cores=setting)
+    _, cold = _decoding_beside_a_cold_prefill(d)
+    seen = {"resume": [], "cold": [], "decode": []}
+    for p, _ in _plans_while_resumes_arrive(d, cold, 8):
+        kind = "decode" if p.lane is Lane.DECODE else "cold" if cold in {s.seq_id for s in p.seqs} else "resume"
+        seen[kind].append(p.hold_cores)
+    assert seen["resume"] and seen["cold"] and seen["decode"]
+    assert set(seen["resume"]) == {holds} and set(seen["cold"]) == set(seen["decode"]) == {False}
     d.sched.check()
 
 
