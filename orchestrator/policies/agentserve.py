@@ -130,11 +130,13 @@ class AgentServe(Policy):
         return budget, rung
 
     def holds_decode_cores(self, lane: Lane, batch: Batch) -> bool:
-        """A borrowing prefill-lane step of resumes only (``resumes_hold_decode_cores``): it runs on every core even
-        while agents decode, which wait for it — a resume is short, and on one core beside decode it took 1.7-1.9x as
-        long (docs/scheduler.md has the figures)."""
-        return (lane is Lane.PREFILL and self.borrows and self.config.scheduler.resumes_hold_decode_cores
-                and bool(batch.entries) and all(req.phase is Phase.RESUME for req, *_ in batch.entries))
+        """A borrowing prefill-lane step of resumes only, of at most ``resume_hold_max_tokens`` tokens: it runs on every
+        core even while agents decode, which wait for it.  A short resume on one core beside decode took 1.7-1.9x as
+        long; a long one would stall decode for as long as it runs (docs/scheduler.md has the figures)."""
+        entries = batch.entries
+        return (lane is Lane.PREFILL and self.borrows and bool(entries)
+                and all(req.phase is Phase.RESUME for req, *_ in entries)
+                and sum(n for _, n, _, _ in entries) <= self.config.scheduler.resume_hold_max_tokens)
 
     def fill_preempting(self, batch: Batch, q: Queues, now: float, running: list[Entry],
                         preempted: int) -> tuple[int, int] | None:

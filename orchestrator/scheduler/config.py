@@ -40,7 +40,7 @@ class SchedCfg:
     resume_ride_after_ms: float = 150.0
     preempt_cold_chunks: bool = True
     prefill_borrows_decode_cores: bool = True
-    resumes_hold_decode_cores: bool = True
+    resume_hold_max_tokens: int = 128
 
 
 @dataclass(frozen=True, slots=True)

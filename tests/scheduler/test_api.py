@@ -476,21 +476,24 @@ def test_resumes_and_cold_chunks_take_turns_on_the_prefill_lane(preempt):
     d.sched.check()
 
 
-@pytest.mark.parametrize("backend, setting, holds", [
-    (CPU_CORES_BACKEND, True, True), (CPU_CORES_BACKEND, False, False), ("fake", True, False)])
-def test_on_cpu_cores_a_prefill_step_of_resumes_only_holds_decodes_cores(backend, setting, holds):
-    """``Plan.hold_cores`` (``resumes_hold_decode_cores``, where the prefill lane borrows decode's cores): the
-    prefill lane's resume steps, those entering a chunk included, run on every core even while agents decode;
-    cold chunks and decode steps never hold them, nor does anything on a GPU."""
+@pytest.mark.parametrize("backend, max_tokens, holds", [
+    (CPU_CORES_BACKEND, 128, True), (CPU_CORES_BACKEND, 59, False), (CPU_CORES_BACKEND, 0, False),
+    ("fake", 128, False)])
+def test_on_cpu_cores_a_prefill_step_of_short_resumes_holds_decodes_cores(backend, max_tokens, holds):
+    """``Plan.hold_cores`` (where the prefill lane borrows decode's cores): the prefill lane's steps of resumes only
+    (those entering a chunk included) of at most ``resume_hold_max_tokens`` tokens run on every core even while
+    agents decode; longer ones, cold chunks and decode steps never hold them, nor does anything on a GPU."""
     d = Driver(backend=backend)
-    _with_scheduler(d, resume_ride_after_ms=1e6, resumes_hold_decode_cores=setting)
+    _with_scheduler(d, resume_ride_after_ms=1e6, resume_hold_max_tokens=max_tokens)
     _, cold = _decoding_beside_a_cold_prefill(d)
-    seen = {"resume": [], "cold": [], "decode": []}
+    seen: dict[str, list[tuple[bool, int]]] = {"resume": [], "cold": [], "decode": []}
     for p, _ in _plans_while_resumes_arrive(d, cold, 8):
         kind = "decode" if p.lane is Lane.DECODE else "cold" if cold in {s.seq_id for s in p.seqs} else "resume"
-        seen[kind].append(p.hold_cores)
+        seen[kind].append((p.hold_cores, sum(len(s.token_ids) for s in p.seqs)))
     assert seen["resume"] and seen["cold"] and seen["decode"]
-    assert set(seen["resume"]) == {holds} and set(seen["cold"]) == set(seen["decode"]) == {False}
+    assert all(held == (holds and tokens <= max_tokens) for held, tokens in seen["resume"]), seen["resume"]
+    assert any(held for held, _ in seen["resume"]) == holds
+    assert not any(held for held, _ in seen["cold"] + seen["decode"])
     d.sched.check()
 
 
