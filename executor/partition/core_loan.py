@@ -9,7 +9,7 @@ rung, the cores of decode's partition are only *lent* to it:
 - a decode step, before it runs, asks for its cores back and waits until the prefill lane has returned
   them — at its next layer boundary or the end of its step — for at most ``return_timeout_s``
   (:meth:`CoreLoan.decode_step`);
-- a step the scheduler marks (``Plan.hold_cores``: a step of resumes only) takes them once the decode step
+- a step the scheduler marks (``Plan.hold_cores``: a short step of resumes only) takes them once the decode step
   running now ends, whether decode is idle or not, and keeps them to its end; decode's next step waits for it
   (:meth:`CoreLoan.hold`, at most ``hold_timeout_s``).  A resume then runs on every core as under fcfs (1.7-1.9x
   faster than on one), for one pause of decode of about its length.
@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 WIDEN_AFTER_IDLE_S = 0.01  # decode steps of a burst follow each other within ~1 ms; a pause this long ends it
 RETURN_TIMEOUT_S = 0.1  # a prefill layer on two cores takes ~5-25 ms; past this decode runs anyway
-HOLD_TIMEOUT_S = 1.0  # a held step (a resume of up to ~400 tokens) takes ~20-150 ms on two cores
+HOLD_TIMEOUT_S = 1.0  # a held step (resumes of up to 128 tokens by default) takes ~20-50 ms on two cores
 
 
 class CoreLoan:
