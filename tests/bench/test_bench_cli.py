@@ -242,8 +242,10 @@ def test_the_server_is_stopped_by_bench_alone(tmp_path, how):
     session now, so only bench's SIGTERM reaches it; and a bench that dies without stopping it (SIGKILL, a closed
     terminal) takes it along, with a SIGTERM, instead of leaving it running."""
     heard = tmp_path / "heard"
+    # a killed bench cannot remove its server's work folder: make that under tmp_path, not in the machine's /tmp
     bench_proc = subprocess.Popen([sys.executable, "-c", BENCH_LIKE, SIGNAL_LOGGER, str(heard)],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "TMPDIR": str(tmp_path)},
                                   start_new_session=True)  # a terminal's process group, of its own
     try:
         assert bench_proc.stdout.readline() == "serving\n", bench_proc.stderr.read()
