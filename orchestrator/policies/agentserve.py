@@ -133,10 +133,9 @@ class AgentServe(Policy):
         """A borrowing prefill-lane step of resumes only, of at most ``resume_hold_max_tokens`` tokens: it runs on every
         core even while agents decode, which wait for it.  A short resume on one core beside decode took 1.7-1.9x as
         long; a long one would stall decode for as long as it runs (docs/scheduler.md has the figures)."""
-        entries = batch.entries
-        return (lane is Lane.PREFILL and self.borrows and bool(entries)
-                and all(req.phase is Phase.RESUME for req, *_ in entries)
-                and sum(n for _, n, _, _ in entries) <= self.config.scheduler.resume_hold_max_tokens)
+        return (lane is Lane.PREFILL and self.borrows and bool(batch.entries)
+                and batch.num_prefill_tokens <= self.config.scheduler.resume_hold_max_tokens
+                and all(req.phase is Phase.RESUME for req, *_ in batch.entries))
 
     def fill_preempting(self, batch: Batch, q: Queues, now: float, running: list[Entry],
                         preempted: int) -> tuple[int, int] | None:
