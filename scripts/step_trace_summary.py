@@ -6,6 +6,13 @@ Groups decode-lane steps by rung, batch size (sequences, 4+ pooled), whether pre
 step, and what ran beside it on the prefill lane (nothing / a short prefill / a long one), and prints the
 median / p90 / max step time of each group; then the prefill lane's steps by size, and the decode lane's
 idle gaps. A TPOT figure is mostly these step times: this shows which kind of step sets it.
+
+Then where a first token's time goes (traces that list each step's ``prefills``): for the steps that sample
+a prompt's token, grouped by class (cold / resume), lane, and whether the step ran inside another of its lane
+(a preempting step inside a cold chunk), the median / p90 of the time from the turn's arrival to the step's
+planning (``queued``: waiting, and for a chunked prompt its earlier chunks), from planning to the step's start
+(``to start``: the ring, the lane finishing what it ran, the wait for cores), the step itself (``run``), and
+their sum (``TTFT``, in the server: the client adds its socket and detokenising).
 """
 
 from __future__ import annotations
@@ -72,13 +79,42 @@ def summarise(steps: list[dict]) -> list[str]:
     return out
 
 
+def first_tokens(steps: list[dict]) -> list[str]:
+    """Where the time to each sampled prompt token goes, by class, lane and nesting (see the module docstring)."""
+    by_lane: dict[str, list[dict]] = defaultdict(list)
+    for s in steps:
+        by_lane[s["lane"]].append(s)
+    groups: dict[tuple, list[tuple[float, float, float]]] = defaultdict(list)
+    for lane, own in by_lane.items():
+        own.sort(key=lambda s: s["start"])
+        for i, s in enumerate(own):
+            nested = "inside" if i and own[i - 1]["end"] > s["start"] else "-"
+            for p in s.get("prefills", ()):
+                if p["samples"] and "planned" in s:
+                    parts = (s["planned"] - p["arrival"], s["start"] - s["planned"], s["end"] - s["start"])
+                    groups[(p["phase"], lane, nested)].append(tuple(1e3 * x for x in parts))
+    if not groups:
+        return []
+    out = [f"{'class':>6} {'lane':>7} {'nested':>6} {'turns':>5}   median / p90 ms: "
+           f"{'queued':>13} {'to start':>13} {'run':>13} {'TTFT':>13}"]
+    for (phase, lane, nested), rows in sorted(groups.items()):
+        cols = [[r[k] for r in rows] for k in range(3)] + [[sum(r) for r in rows]]
+        figures = " ".join(f"{statistics.median(c):>6.1f}/{quantile(c, 0.9):>6.1f}" for c in cols)
+        out.append(f"{phase:>6} {lane:>7} {nested:>6} {len(rows):>5}   {'':>16}{figures}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", help="a file written by agentserve up --trace-steps")
+    ap.add_argument("--policy", help="only the steps of servers running this policy (a bench's servers may share "
+                                     "one trace file)")
     args = ap.parse_args()
     with open(args.trace) as f:
         steps = [json.loads(line) for line in f if line.strip()]
-    print("\n".join(summarise(steps)) if steps else "no steps in the trace")
+    if args.policy:
+        steps = [s for s in steps if s.get("policy", {}).get("policy") == args.policy]
+    print("\n".join(summarise(steps) + first_tokens(steps)) if steps else "no steps in the trace")
 
 
 if __name__ == "__main__":

@@ -120,11 +120,12 @@ class Scheduler:
         ready: Ready,
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
-        on_landed: Callable[[Result, list[Entry], dict[str, Any]], None] | None = None,
+        on_landed: Callable[[Result, list[Entry], float, dict[str, Any]], None] | None = None,
     ) -> None:
         self.config = config or load_config()
         self.clock = clock
-        self.on_landed = on_landed  # told of each landed step: its result, its plan's entries, the policy state
+        self.on_landed = on_landed  # told of each landed step: its result, its plan's entries, when it was sent,
+        # and the policy state
         cc = self.config.controller
         unit = backend_unit(ready.backend)
         self.ladder = Ladder(ready.ladder, cc.r_min_lo_share, cc.r_min_hi_share, unit,
@@ -274,7 +275,7 @@ class Scheduler:
         if inflight is None:
             return events
         if self.on_landed is not None:
-            self.on_landed(result, inflight.entries, self.policy.stats())
+            self.on_landed(result, inflight.entries, inflight.sent, self.policy.stats())
         sampled = {s.seq_id: s for s in result.seqs}
         bs = self.kv.block_size
         for req, n, sample, decode in inflight.entries:
@@ -380,6 +381,9 @@ class Scheduler:
         # Decode plans are queued ahead only while nothing waits to be prefilled: a plan decided
         # ahead would keep a newly arrived prefill (and a guard-forced rung change) one step longer.
         ahead = 0 if self.q.has_prefill_work() else self.lookahead
+        first = self.policy.preempts_first()
+        if first:
+            blocked |= self._plan_preempting(now, plans)
         for lane in self.policy.lanes:
             depth = 1 + (ahead if lane is Lane.DECODE else 0)
             while len(self.lanes[lane]) < depth:  # a lane runs its plans in order
@@ -388,14 +392,21 @@ class Scheduler:
                 if plan is None:
                     break
                 plans.append(plan)
+        if not first:
+            blocked |= self._plan_preempting(now, plans)
+        return plans, blocked
+
+    def _plan_preempting(self, now: float, plans: list[Plan | Release]) -> bool:
+        """Append a plan to run inside the prefill lane's plan in flight, if the policy has one; whether admission
+        was blocked.  Never into a plan sent in this same call (``plans``), never two at once."""
         running = self.lanes.get(Lane.PREFILL)
         sent_now = any(p.lane is Lane.PREFILL for p in plans if isinstance(p, Plan))
-        if running is not None and len(running) == 1 and not self.preempting and not sent_now:
-            plan, lane_blocked = self._plan_lane(Lane.PREFILL, now, running[0])
-            blocked |= lane_blocked
-            if plan is not None:
-                plans.append(plan)
-        return plans, blocked
+        if running is None or len(running) != 1 or self.preempting or sent_now:
+            return False
+        plan, blocked = self._plan_lane(Lane.PREFILL, now, running[0])
+        if plan is not None:
+            plans.append(plan)
+        return blocked
 
     def _plan_lane(self, lane: Lane, now: float, running: Inflight | None = None) -> tuple[Plan | None, bool]:
         """The lane's next plan; with ``running`` (the prefill lane's plan in flight) a plan to run inside it."""

@@ -24,9 +24,14 @@ def test_each_landed_step_is_one_line_describing_its_plan(tmp_path) -> None:
         assert rec["seqs"] == len(plan.seqs)
         assert rec["decode_seqs"] + (1 if rec["prefill_tokens"] else 0) == len(plan.seqs)
         assert rec["prefill_tokens"] + rec["decode_seqs"] == sum(fed)
-        assert rec["end"] >= rec["start"] and "policy" in rec["policy"]
+        assert rec["end"] >= rec["start"] >= rec["planned"] and "policy" in rec["policy"]
+        assert sum(p["tokens"] for p in rec["prefills"]) == rec["prefill_tokens"]
+        assert all(p["arrival"] <= rec["planned"] for p in rec["prefills"])
     assert sum(r["decode_seqs"] for r in lines) == 5 - 1 + 3 - 1  # every token but each turn's first
     assert lines[-1]["prefill_tokens"] == 0 and any(r["prefill_tokens"] >= prompt // 2 for r in lines)
+    firsts = [p for r in lines for p in r["prefills"] if p["samples"]]
+    assert len(firsts) == 2 and firsts[0]["seq"] != firsts[1]["seq"]  # each turn's first token
+    assert firsts[1]["phase"] == "resume" and firsts[0]["phase"] in ("cold", "resume")  # short: class by threshold
 
 
 def test_an_unwritable_trace_path_is_a_clear_error(tmp_path) -> None:
@@ -76,14 +81,39 @@ def test_summary_sees_a_chunk_around_a_preempting_step_that_ended_earlier() -> N
     assert any(r.split()[:4] == ["0", "1", "-", "long"] for r in rows[1:])
 
 
+def test_summary_splits_each_first_token_into_queue_dispatch_and_run() -> None:
+    def step(lane, planned, start, ms, prefills=()):
+        tokens = sum(p["tokens"] for p in prefills)
+        return {"lane": lane, "rung": 0, "planned": planned, "start": start, "end": start + ms / 1e3, "ms": ms,
+                "gap_ms": 0.5, "decode_seqs": 0, "prefill_tokens": tokens, "prefills": list(prefills)}
+
+    def entry(phase, arrival, samples=True):
+        return {"seq": 1, "phase": phase, "tokens": 64, "arrival": arrival, "samples": samples}
+
+    steps = [
+        step("prefill", 0.010, 0.012, 400, [entry("cold", 0.0, samples=False)]),  # a first chunk: no token
+        step("prefill", 0.100, 0.110, 30, [entry("resume", 0.090)]),  # inside the chunk
+        step("prefill", 0.500, 0.501, 300, [entry("cold", 0.0)]),  # the last chunk
+        step("prefill", 1.000, 1.004, 20, [entry("resume", 0.995)]),
+        step("prefill", 1.100, 1.108, 40, [entry("resume", 1.090)]),
+    ]
+    rows = _summary_module().first_tokens(steps)
+    table = {tuple(r.split()[:4]): r.split()[4:] for r in rows[1:]}
+    assert table[("resume", "prefill", "inside", "1")] == ["10.0/", "10.0", "10.0/", "10.0", "30.0/", "30.0",
+                                                           "50.0/", "50.0"]
+    assert table[("cold", "prefill", "-", "1")][-2:] == ["801.0/", "801.0"]  # TTFT: to the last chunk's end
+    queued, to_start, run, ttft = (float(table[("resume", "prefill", "-", "2")][k].rstrip("/")) for k in (0, 2, 4, 6))
+    assert (queued, to_start, run, ttft) == pytest.approx((7.5, 6.0, 30.0, 43.5))  # medians of two
+
+
 def test_a_failing_trace_write_stops_the_trace_not_the_server(caplog) -> None:
     from agentserve.protocol.lanes import Lane
     from agentserve.protocol.ring_messages import Result
 
     trace = StepTrace("/dev/full")  # every write fails with ENOSPC
     result = Result(1, Lane.DECODE, 0, [], 1.0, 1.01)
-    trace.record(result, [], {"policy": "x"})
-    trace.record(result, [], {"policy": "x"})  # silently off now
+    trace.record(result, [], 0.99, {"policy": "x"})
+    trace.record(result, [], 0.99, {"policy": "x"})  # silently off now
     trace.close()
     assert [r.getMessage() for r in caplog.records].count("step trace /dev/full stopped: [Errno 28] No space "
                                                          "left on device") == 1
