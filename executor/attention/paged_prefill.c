@@ -258,12 +258,9 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
     const int64_t nk = start + n;
     const int group = heads / kv_heads, R = dim <= 64 ? 4 : 2; /* R * dim / 16 accumulators <= 16 */
     const int64_t padded = (nk + TILE - 1) / TILE * TILE, per_head = padded * dim / 2; /* uint32 per head */
-    uint32_t *kp = aligned_alloc(64, sizeof(uint32_t) * per_head * kv_heads);
-    uint32_t *vp = aligned_alloc(64, sizeof(uint32_t) * per_head * kv_heads);
-    if (kp == NULL || vp == NULL) {
-        free(kp), free(vp);
-        return -3;
-    }
+    uint32_t *kp = prefill_scratch(2 * sizeof(uint32_t) * per_head * kv_heads); /* keys, then values */
+    if (kp == NULL) return -3;
+    uint32_t *vp = kp + per_head * kv_heads;
     const int64_t rows = (int64_t)n * group, blocks = (rows + R - 1) / R;
     const int64_t parts = prefill_parts(blocks, threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -292,7 +289,7 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
             }
         _mm_setcsr(csr);
     }
-    free(kp), free(vp);
+    prefill_scratch_done(kp);
     return 0;
 }
 #else

@@ -265,20 +265,6 @@ INLINE void attend_rows(const float *q, float *out, float *m, float *l, const fl
     }
 }
 
-/* The packed keys and values of one chunk of keys, reused by later calls on this thread (one chunk's size, not the
- * context's: KEYS_PER_CHUNK keys of every KV head). */
-static __thread float *packed_buf;
-static __thread size_t packed_cap;
-
-static float *packed(size_t floats) {
-    if (floats > packed_cap) {
-        free(packed_buf);
-        packed_buf = aligned_alloc(32, sizeof(float) * floats);
-        packed_cap = packed_buf ? floats : 0;
-    }
-    return packed_buf;
-}
-
 INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int64_t num_blocks,
                          const int64_t *table, int width, int64_t start, int n, float *out, int heads, int kv_heads,
                          int dim, int block_size, float scale, int threads, const int f16) {
@@ -289,9 +275,11 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
     const int group = heads / kv_heads;
     const int64_t rows = (int64_t)n * group, padded = (nk + BLOCK - 1) / BLOCK * BLOCK;
     const int64_t per_head = (int64_t)KEYS_PER_CHUNK * dim; /* floats per head, keys and values each */
-    float *kp = packed(2 * (size_t)per_head * kv_heads), *ml = malloc(sizeof(float) * 2 * rows * kv_heads);
+    /* the packed keys and values of one chunk of keys (KEYS_PER_CHUNK keys of every KV head, not the context) */
+    float *kp = prefill_scratch(sizeof(float) * 2 * (size_t)per_head * kv_heads);
+    float *ml = malloc(sizeof(float) * 2 * rows * kv_heads);
     if (kp == NULL || ml == NULL) {
-        free(ml);
+        prefill_scratch_done(kp), free(ml);
         return -3;
     }
     float *vp = kp + per_head * kv_heads;
@@ -332,7 +320,7 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
         }
         _mm_setcsr(csr);
     }
-    free(ml);
+    prefill_scratch_done(kp), free(ml);
     return 0;
 }
 #else
