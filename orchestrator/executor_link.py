@@ -32,7 +32,7 @@ import msgspec
 from agentserve.orchestrator.hang_watch import HangWatch
 from agentserve.orchestrator.limits import HangRule
 from agentserve.orchestrator.wake_queue import WakeQueue
-from agentserve.protocol.lanes import OPENMP_BINDING_ENV, openmp_binding
+from agentserve.protocol.lanes import OPENMP_BINDING_ENV, openmp_binding, openmp_wait_settings
 from agentserve.protocol.ring_messages import WIRE_VERSION, ExecError, Plan, Ready, Result, Shutdown
 from agentserve.shm.channel import RingPair
 from agentserve.shm.errors import PeerDied, RingClosed, RingTimeout, ShmError
@@ -77,8 +77,10 @@ class ExecutorSpec:
 
     def env(self) -> dict[str, str]:
         """The executor's environment: this process's, without OpenMP's binding settings (``OPENMP_BINDING_ENV``:
-        they would pin the executor to one core before its partition backend reads the usable ones)."""
-        return {k: v for k, v in os.environ.items() if k not in OPENMP_BINDING_ENV}
+        they would pin the executor to one core before its partition backend reads the usable ones), and with a
+        short spin of idle OpenMP workers unless it sets a wait policy (:func:`~.lanes.openmp_wait_settings`)."""
+        env = {k: v for k, v in os.environ.items() if k not in OPENMP_BINDING_ENV}
+        return env | openmp_wait_settings(os.environ)
 
     def command(self, role: str) -> list[str]:
         cmd = [sys.executable, "-m", "agentserve.executor", "--run", self.run, "--role", role]

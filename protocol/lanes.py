@@ -30,6 +30,23 @@ def openmp_binding(environ: Mapping[str, str]) -> list[str]:
     return [f"{k}={environ[k]}" for k in OPENMP_BINDING_ENV if k in environ]
 
 
+# How long an idle OpenMP worker spins before it sleeps: libgomp's GOMP_SPINCOUNT, iterations of a pause loop, read as
+# the runtime loads.  Its default (300,000) is ~7 ms on Zen 5.  On a CPU box the lanes share few cores with the
+# orchestrator and the clients, and a thread that spins that long holds a core another needs: a lane's new worker,
+# started on the core of the thread that creates it, spun at its first barrier while that thread waited its turn
+# to reach it, and a two-thread step lost 1-5 ms before both cores worked (seen in a server's scheduler trace).
+# 20,000 (~0.5 ms here) still spins through the gaps between a step's operations.  `agentserve up` starts the
+# executor with it unless the environment sets GOMP_SPINCOUNT or OMP_WAIT_POLICY.
+OPENMP_SPIN_COUNT = "20000"
+
+
+def openmp_wait_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the executor's environment adds to ``environ``: the spin count above, where it sets no wait policy."""
+    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
+        return {}
+    return {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
+
+
 def backend_unit(backend: str) -> str:
     """What a partition backend's rungs count: ``cores`` (the CPU backend) or ``SMs``."""
     return "cores" if backend == CPU_CORES_BACKEND else "SMs"

@@ -80,6 +80,21 @@ def test_any_failure_of_a_restart_is_reported(monkeypatch) -> None:
     link.close()
 
 
+@pytest.mark.parametrize("set_here, expected", [
+    ({}, "20000"),  # ours: idle workers spin ~0.5 ms, not libgomp's ~7 ms
+    ({"GOMP_SPINCOUNT": "100"}, "100"),  # the user's, kept
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, None),  # a wait policy of the user's: nothing added
+])
+def test_the_executor_gets_a_short_openmp_spin_unless_the_environment_sets_one(monkeypatch, set_here, expected):
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in set_here.items():
+        monkeypatch.setenv(name, value)
+    env = ExecutorSpec("t", "m").env()
+    assert env.get("GOMP_SPINCOUNT") == expected
+    assert env.get("OMP_WAIT_POLICY") == set_here.get("OMP_WAIT_POLICY")
+
+
 def test_the_executor_starts_without_openmp_binding(monkeypatch) -> None:
     """With OMP_PROC_BIND / OMP_PLACES in the environment, OpenMP would pin the executor's first thread to one core
     as PyTorch loads, and the cpu-cores backend would see that core only: one unpartitioned rung."""
