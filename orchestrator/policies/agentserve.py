@@ -153,6 +153,14 @@ class AgentServe(Policy):
         self.resumes_ran_last = True
         return sc.cold_chunk_tokens, self.ladder.full  # the rung is the running plan's
 
+    def preempts_first(self) -> bool:
+        """On CPU cores (borrowing), resumes enter a cold chunk in flight before the idle decode lane may take them:
+        with no agent decoding a resume would otherwise ride alone on decode's one core (~33 ms for react's ~60 tokens
+        on Zen 5, against ~19 ms held on both) and take that core back from the chunk, which then ran on one core as
+        long.  Entering the chunk, it waits for the layer in progress and pauses the chunk for its short step."""
+        sc = self.config.scheduler
+        return self.borrows and sc.preempt_cold_chunks and sc.prefill_lane_resumes == "first"
+
     def ride_from(self, now: float, decoding: bool) -> float:
         """Resumes that arrived after this time wait for the prefill lane instead of riding in a decode step
         (with ``first``, in a step that has decodes: with none, a resume delays no one)."""

@@ -53,6 +53,11 @@ class Policy:
         how many such plans it already ran), at its next layer boundary; ``None``: none (the default)."""
         return None
 
+    def preempts_first(self) -> bool:
+        """Whether a plan to run inside the prefill lane's plan in flight is decided before the lanes' own plans, so
+        that what it takes (waiting resumes) is not planned on an idle lane first; no by default."""
+        return False
+
     def stats(self) -> dict[str, object]:
         return {"policy": self.name, "rung": self.ladder.full}
 

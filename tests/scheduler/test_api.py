@@ -543,6 +543,27 @@ def test_a_preempting_plan_back_after_its_chunk_still_holds_the_prefill_lane():
     d.sched.check()
 
 
+@pytest.mark.parametrize("backend", [CPU_CORES_BACKEND, "fake"])
+def test_with_nothing_decoding_a_resume_enters_the_chunk_on_cpu_cores_and_rides_alone_elsewhere(backend):
+    """A resume arriving while a cold chunk runs and no agent decodes: on CPU cores it enters the chunk (held on every
+    core), where riding alone on the idle decode lane would run it on decode's one core and take that core back from
+    the chunk; on a GPU it rides at once on the decode lane's partition, beside the chunk."""
+    d = Driver(backend=backend)
+    cold = d.sched.submit(d.sched.open_session(), list(range(100, 3100)), SamplingParams(max_tokens=3))
+    (chunk,) = d.pump()
+    assert chunk.lane is Lane.PREFILL
+    resume = d.sched.submit(d.sched.open_session(), list(range(300, 360)), SamplingParams(max_tokens=3))
+    (plan,) = d.pump()
+    assert [s.seq_id for s in plan.seqs] == [resume]
+    if backend == CPU_CORES_BACKEND:
+        assert plan.lane is Lane.PREFILL and plan.preempt and plan.hold_cores
+    else:
+        assert plan.lane is Lane.DECODE and not plan.preempt
+    for seq in (resume, cold):
+        d.until_finished(seq)
+    d.sched.check()
+
+
 @pytest.mark.parametrize("changes", [{"preempt_cold_chunks": False}, {"prefill_lane_resumes": "idle"}])
 def test_no_resume_enters_a_chunk_in_flight_when_preemption_is_off(changes):
     d = Driver()
