@@ -13,9 +13,8 @@ one clock for every process of the machine.  ``seqs`` counts the plan's sequence
 one decode token, ``prefill_tokens`` the prompt tokens of the others; ``prefills`` lists those others: the
 sequence, its class (``cold`` / ``resume``), its tokens in this step, when its turn arrived, and whether
 the step samples a token (its first unless the turn was preempted and is computed again; ``end - arrival``
-is then its TTFT in the server).  ``policy`` is the
-scheduler policy's state when the step landed (for AgentServe: ``B_prefill``, the ``R_min`` rung, the
-controlled TPOT).
+is then its TTFT in the server).  ``policy`` is the scheduler policy's state when the step landed (for
+AgentServe: ``B_prefill``, the ``R_min`` rung, the controlled TPOT).
 Step times beside each other on the two lanes, and steps with prefill riding in decode, show where
 a TPOT or TTFT figure comes from (``scripts/`` analyses need nothing but ``json``).
 """

@@ -34,7 +34,7 @@ def openmp_binding(environ: Mapping[str, str]) -> list[str]:
 # the runtime loads.  Its default (300,000) is ~7 ms on Zen 5.  On a CPU box the lanes share few cores with the
 # orchestrator and the clients, and a thread that spins that long holds a core another needs: a lane's new worker,
 # started on the core of the thread that creates it, spun at its first barrier while that thread waited its turn
-# to reach it, and a two-thread step lost 1-5 ms before both cores worked (seen in a server's scheduler trace).
+# to reach it, and a two-thread step lost 1-8 ms before both cores worked (seen in a server's scheduler trace).
 # 20,000 (~0.5 ms here) still spins through the gaps between a step's operations.  `agentserve up` starts the
 # executor with it unless the environment sets GOMP_SPINCOUNT or OMP_WAIT_POLICY.
 OPENMP_SPIN_COUNT = "20000"

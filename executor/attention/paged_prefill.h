@@ -41,8 +41,7 @@ static inline int64_t prefill_parts(int64_t units, int threads) {
  * 64-byte aligned, or NULL.  Up to PREFILL_SCRATCH_KEEP bytes it is one buffer per thread, grown when a call needs
  * more and kept for the thread's next calls; past that a call gets its own, which prefill_scratch_done frees.  A
  * buffer allocated and freed on every call was, on some threads, mapped afresh by malloc each time: packing an
- * agent's context (~1.5 MB a layer at 3,000 tokens) then faulted in ~3,000 new pages a step, a fifth of a resume's
- * time. */
+ * agent's context (~1.5 MB a layer at 3,000 tokens) then faulted in ~400 new pages a layer. */
 #define PREFILL_SCRATCH_KEEP ((size_t)64 << 20)
 static __thread void *prefill_scratch_buf;
 static __thread size_t prefill_scratch_cap;

@@ -124,8 +124,8 @@ class Scheduler:
     ) -> None:
         self.config = config or load_config()
         self.clock = clock
-        self.on_landed = on_landed  # told of each landed step: its result, its plan's entries, when it was sent,
-        # and the policy state
+        # told of each landed step: its result, its plan's entries, when it was planned, and the policy state
+        self.on_landed = on_landed
         cc = self.config.controller
         unit = backend_unit(ready.backend)
         self.ladder = Ladder(ready.ladder, cc.r_min_lo_share, cc.r_min_hi_share, unit,
