@@ -12,10 +12,13 @@ therefore calls ``get_num_threads`` before ``set_num_threads``.  Each lane threa
 worker team; a worker keeps the mask it was created with, so whenever a lane's cores change its team is
 re-pinned with it (:func:`~.omp_team.pin_team`; where the compiled library does not share PyTorch's OpenMP
 runtime, a reused worker may still run on the cores of an earlier rung — exact on 2 cores, where a
-partitioned lane has no workers).  Outside its steps on several threads no thread of the executor keeps idle
-workers (:func:`~.omp_team.release_team`: the loader's when the backend is made, a lane's after binding, after
-each such step and when the loan narrows it to one thread): libgomp counts every pool's idle workers, and with
-more than there are CPUs it makes every barrier of every step sleep.
+partitioned lane has no workers).  Idle workers are ended (:func:`~.omp_team.release_team`: the loader's when the
+backend is made, a lane's after binding, after each step on several threads, and when the loan narrows a prefill
+step to one thread) — libgomp counts every pool's idle workers, and with more than there are CPUs it makes every
+barrier of every step sleep — except, where decode's partition is one core (as on two), the shared-rung prefill
+lane's between its steps: parked on the cores they ran on, asleep after the executor's short spin
+(``GOMP_SPINCOUNT``), and woken there by its next wide step (a new one started beside the lane thread and took ~1 ms
+to reach its core).  A one-core decode lane has no workers, so the pools then hold at most one thread per core.
 
 A step of at most :data:`ONE_THREAD_MAX_TOKENS` tokens (a decode of a few sequences) runs on one
 intra-op thread: its matmuls are memory-bound, so one thread moves nearly what two do, while a second
@@ -239,8 +242,9 @@ class CpuCoresBackend(PartitionBackend):
                 loan.end_hold()
             if self._prefill_steps:
                 self._fit(binding)  # a preempting step ran inside a chunk: the chunk's width again
-            else:  # between steps the lane holds nothing: no idle workers (see _threads), the cores returned,
-                release_team()  # and the lane thread on its own cores, where its next step starts
+            else:  # between steps: the cores returned, the lane thread on its own cores, where its next step starts;
+                if len(self._decode_home) > 1:  # its workers stay parked beside a one-core decode lane only (see the
+                    release_team()  # module docstring): decode's own workers would make the pools outnumber the cores
                 own = self._own_cores(binding) or binding.cores
                 os.sched_setaffinity(threading.get_native_id(), own)
                 torch.set_num_threads(len(own))

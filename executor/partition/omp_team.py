@@ -9,7 +9,7 @@ libgomp in the process, as with the current PyTorch wheels for Linux; older ones
 :func:`shares_torch_runtime` checks it once, by whether a thread count set through the library is what
 PyTorch then reports.  Where it is not shared, or there is no C compiler, the workers keep their masks
 (logged once) and nothing else changes.  :func:`release_team` ends the calling thread's idle workers (a lane holds
-none between its wide steps: see there why).
+none between its wide steps, but for the prefill lane beside a one-core decode lane: see there why).
 """
 
 from __future__ import annotations
