@@ -6,10 +6,12 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import pytest
 import torch
 
+from agentserve.executor.partition.base import LaneBinding
 from agentserve.executor.partition.cpu_cores import CpuCoresBackend, usable_cores
 from agentserve.executor.partition.omp_team import pin_team, release_team, shares_torch_runtime, team_masks
 from agentserve.protocol.lanes import OPENMP_BINDING_ENV, Lane, openmp_binding
@@ -264,31 +266,44 @@ def test_the_prefill_lane_narrowed_to_one_thread_ends_its_worker(
     in_thread(body)
 
 
+def _on_the_prefill_lane(cpu: CpuCoresBackend, body: Callable[[Callable[[], AbstractContextManager[None]], set[int]],
+                                                   None]) -> None:
+    """Run ``body(step, threads)`` on a fresh thread bound to the shared rung's prefill lane: ``step()`` enters one
+    borrowing step of 64 tokens that has run a two-thread product, ``threads`` the process's threads once bound."""
+    x = torch.randn(256, 256)
+
+    @contextmanager
+    def step_of(binding: LaneBinding) -> Iterator[None]:
+        with cpu.step_scope(binding, 64):
+            torch.mm(x, x)
+            yield
+
+    def run() -> None:
+        with cpu.lane_context(Lane.PREFILL, cpu.ladder[-1].index) as binding:
+            body(lambda: step_of(binding), tasks())
+
+    in_thread(run)
+
+
 def test_the_prefill_lane_keeps_its_worker_parked_on_decodes_core_between_borrowing_steps(
     cores: tuple[int, int], cpu: CpuCoresBackend
 ) -> None:
     """A new worker per step started beside the lane thread and took ~1 ms to reach its own core; kept, it sleeps
     after its short spin and the next wide step wakes it where it is."""
     a, b = cores  # decode's core, the prefill lane's
-    x = torch.randn(256, 256)
-    top = cpu.ladder[-1]
 
-    def body() -> None:
-        with cpu.lane_context(Lane.PREFILL, top.index) as binding:
-            before = tasks()
-            with cpu.step_scope(binding, 64):
-                torch.mm(x, x)
-                assert team_masks(2) == [{b}, {a}]
-            worker = started_since(before)
-            assert len(worker) == 1, "the step's worker outlives it"
-            assert os.sched_getaffinity(threading.get_native_id()) == {b} and torch.get_num_threads() == 1
-            with cpu.step_scope(binding, 64):
-                torch.mm(x, x)
-                assert started_since(before) == worker, "the next step runs on the same worker"
-                assert team_masks(2) == [{b}, {a}]
-            release_team()
+    def body(step: Callable[[], AbstractContextManager[None]], before: set[int]) -> None:
+        with step():
+            assert team_masks(2) == [{b}, {a}]
+        worker = started_since(before)
+        assert len(worker) == 1, "the step's worker outlives it"
+        assert os.sched_getaffinity(threading.get_native_id()) == {b} and torch.get_num_threads() == 1
+        with step():
+            assert started_since(before) == worker, "the next step runs on the same worker"
+            assert team_masks(2) == [{b}, {a}]
+        release_team()
 
-    in_thread(body)
+    _on_the_prefill_lane(cpu, body)
 
 
 def test_beside_a_decode_lane_of_several_cores_the_prefill_lane_ends_its_workers_after_each_step(
@@ -296,15 +311,10 @@ def test_beside_a_decode_lane_of_several_cores_the_prefill_lane_ends_its_workers
 ) -> None:
     """There decode's own workers and the parked ones together would outnumber the cores (every barrier sleeps)."""
     monkeypatch.setattr(cpu, "_decode_home", cores)  # as if decode's partition had two cores
-    x = torch.randn(256, 256)
-    top = cpu.ladder[-1]
 
-    def body() -> None:
-        with cpu.lane_context(Lane.PREFILL, top.index) as binding:
-            before = tasks()
-            with cpu.step_scope(binding, 64):
-                torch.mm(x, x)
-                assert len(started_since(before)) == 1
-            assert not started_since(before)
+    def body(step: Callable[[], AbstractContextManager[None]], before: set[int]) -> None:
+        with step():
+            assert len(started_since(before)) == 1
+        assert not started_since(before)
 
-    in_thread(body)
+    _on_the_prefill_lane(cpu, body)
