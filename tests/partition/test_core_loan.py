@@ -282,6 +282,7 @@ def test_a_preempting_step_inside_a_borrowing_chunk_gives_the_core_back_between_
             inner_started.set()
             decode_sent.wait(10)
             time.sleep(0.1)
+            log.append(("boundary", _view()))
             between_layers()
             log.append(("resume1", _view()))
         return "resume"
@@ -299,8 +300,11 @@ def test_a_preempting_step_inside_a_borrowing_chunk_gives_the_core_back_between_
         stepped = dec.submit(decode_step)
         decode_sent.set()
         assert [outer.result(10), inner.result(10), stepped.result(10)] == ["chunk", "resume", None]
-    assert [name for name, _ in log] == ["resume0", "resume1", "decode"]
-    assert log[0][1] == (cpu.cores, len(cpu.cores)) and log[1][1] == (own, len(own))
+    names, views = [name for name, _ in log], dict(log)
+    # the decode step waits for the resume's layer boundary; past it, the two threads race to the log
+    assert names[:2] == ["resume0", "boundary"] and sorted(names[2:]) == ["decode", "resume1"]
+    assert views["resume0"] == views["boundary"] == (cpu.cores, len(cpu.cores)), "wide until its layer boundary"
+    assert views["resume1"] == (own, len(own)), "narrowed at the boundary"
 
 
 def test_decode_moving_onto_cores_a_running_prefill_holds_waits_for_its_refit(monkeypatch: pytest.MonkeyPatch) -> None:
