@@ -163,9 +163,11 @@ class AgentServe(Policy):
 
     def ride_from(self, now: float, decoding: bool) -> float:
         """Resumes that arrived after this time wait for the prefill lane instead of riding in a decode step
-        (with ``first``, in a step that has decodes: with none, a resume delays no one)."""
+        (with ``first``, in a step that has decodes; on CPU cores also in one with none: alone there a resume runs
+        on decode's one core, ~2x as long as after the busy prefill lane's step on every core — it delays no one
+        only on a GPU)."""
         sc = self.config.scheduler
-        waits = sc.prefill_lane_resumes == "first" and decoding
+        waits = sc.prefill_lane_resumes == "first" and (decoding or self.borrows)
         return now - sc.resume_ride_after_ms / 1e3 if waits else now
 
     def prefill_rung(self, q: Queues, starving: bool, decode_rung: int | None) -> int:
