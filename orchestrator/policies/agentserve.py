@@ -154,10 +154,11 @@ class AgentServe(Policy):
         return sc.cold_chunk_tokens, self.ladder.full  # the rung is the running plan's
 
     def preempts_first(self) -> bool:
-        """On CPU cores (borrowing), resumes enter a cold chunk in flight before the idle decode lane may take them:
-        with no agent decoding a resume would otherwise ride alone on decode's one core (~33 ms for react's ~60 tokens
-        on Zen 5, against ~19 ms held on both) and take that core back from the chunk, which then ran on one core as
-        long.  Entering the chunk, it waits for the layer in progress and pauses the chunk for its short step."""
+        """On CPU cores (borrowing), resumes enter a cold chunk in flight before the idle decode lane may take them
+        (there a resume rides only once it has waited ``resume_ride_after_ms``: :meth:`ride_from`): alone on decode's
+        one core it would take ~2x as long as held on both (~33 against ~19 ms for react's ~60 tokens on Zen 5) and
+        take that core back from the chunk, which then ran on one core as long.  Entering the chunk, it waits for the
+        layer in progress and pauses the chunk for its short step."""
         sc = self.config.scheduler
         return self.borrows and sc.preempt_cold_chunks and sc.prefill_lane_resumes == "first"
 
