@@ -36,12 +36,14 @@ within ``B_prefill``; a starving cold prefill gets ``min_tokens`` of it first).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from agentserve.orchestrator.policies.base import Policy
 from agentserve.orchestrator.policies.controller import TpotController
 from agentserve.orchestrator.scheduler.batch import Batch, Entry
 from agentserve.orchestrator.scheduler.config import SchedulerConfig, allowed_here
 from agentserve.orchestrator.scheduler.queues import Queues
-from agentserve.orchestrator.scheduler.request import Phase, ReqState
+from agentserve.orchestrator.scheduler.request import Phase, ReqState, Request
 from agentserve.orchestrator.scheduler.rungs import Ladder
 from agentserve.orchestrator.scheduler.window import Window
 from agentserve.protocol.lanes import Lane
@@ -107,7 +109,7 @@ class AgentServe(Policy):
             if not (alone_on_idle_device and self.borrows and self.config.scheduler.prefill_lane_resumes == "first"):
                 # (borrowing, the idle prefill lane takes them, on every core)
                 self.add_prefills(batch, q, Phase.RESUME, self.ctl.b_prefill, admit_new=not starving,
-                                  arrived_by=self.ride_from(now, batch.num_decode > 0))
+                                  only=lambda req: self.rides(req, now, batch.num_decode > 0))
             if alone_on_idle_device and not self.borrows:
                 rung = self.ladder.full  # resumes alone while the prefill lane idles: every unit is free
             return batch.num_decode + self.ctl.b_prefill, rung
@@ -155,21 +157,23 @@ class AgentServe(Policy):
 
     def preempts_first(self) -> bool:
         """On CPU cores (borrowing), resumes enter a cold chunk in flight before the idle decode lane may take them
-        (there a resume rides only once it has waited ``resume_ride_after_ms``: :meth:`ride_from`): alone on decode's
+        (there a short resume rides only once it has waited ``resume_ride_after_ms``: :meth:`rides`): alone on decode's
         one core it would take ~2x as long as held on both (~33 against ~19 ms for react's ~60 tokens on Zen 5) and
         take that core back from the chunk, which then ran on one core as long.  Entering the chunk, it waits for the
         layer in progress and pauses the chunk for its short step."""
         sc = self.config.scheduler
         return self.borrows and sc.preempt_cold_chunks and sc.prefill_lane_resumes == "first"
 
-    def ride_from(self, now: float, decoding: bool) -> float:
-        """Resumes that arrived after this time wait for the prefill lane instead of riding in a decode step
-        (with ``first``, in a step that has decodes; on CPU cores also in one with none: alone there a resume runs
-        on decode's one core, ~2x as long as after the busy prefill lane's step on every core — it delays no one
-        only on a GPU)."""
+    def rides(self, req: Request, now: float, decoding: bool) -> bool:
+        """Whether a waiting resume may ride in this decode step rather than wait for the prefill lane: with
+        ``first``, in a step that has decodes only once it has waited ``resume_ride_after_ms``; in one with none
+        at once, except on CPU cores for one the prefill lane would run holding every core
+        (:meth:`holds_decode_cores`) — alone on decode's one core it takes ~2x as long as after the busy lane's
+        step, where a longer one would only borrow, and wait behind more cold chunks."""
         sc = self.config.scheduler
-        waits = sc.prefill_lane_resumes == "first" and (decoding or self.borrows)
-        return now - sc.resume_ride_after_ms / 1e3 if waits else now
+        held = self.borrows and req.num_uncached_at_class <= sc.resume_hold_max_tokens
+        waits = sc.prefill_lane_resumes == "first" and (decoding or held)
+        return not waits or now - req.arrival >= sc.resume_ride_after_ms / 1e3
 
     def prefill_rung(self, q: Queues, starving: bool, decode_rung: int | None) -> int:
         """The prefill lane's rung, given the rung the decode lane holds (``None``: idle)."""
@@ -181,9 +185,9 @@ class AgentServe(Policy):
         return full if self.borrows and self.ladder.rungs[rung].partitioned else rung
 
     def add_prefills(self, batch: Batch, q: Queues, phase: Phase, budget: int, *, admit_new: bool = True,
-                     arrived_by: float = float("inf"), max_seqs: int | None = None) -> int:
+                     only: Callable[[Request], bool] | None = None, max_seqs: int | None = None) -> int:
         """Prompt tokens of ``phase`` requests (admitted ones first) up to ``budget``; returns how many.
-        ``admit_new``: waiting ones may be admitted; ``arrived_by``: only those that arrived by then;
+        ``admit_new``: waiting ones may be admitted; ``only``: only those it accepts;
         ``max_seqs``: no more once the batch holds that many sequences."""
         left = budget
         for req in q.phase_order(phase):
@@ -191,7 +195,7 @@ class AgentServe(Policy):
                 break
             if req.state is ReqState.WAITING and not admit_new:
                 break
-            if req.arrival <= arrived_by:
+            if only is None or only(req):
                 left -= batch.prefill(req, left, phase)
         return budget - left
 

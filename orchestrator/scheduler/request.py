@@ -41,7 +41,7 @@ class Request:
         "num_computed", "block_table", "hashes", "keys", "hit_cache", "deferred_on", "num_sealed",
         "num_ready", "blocks_sent", "sampling_sent", "inflight", "ahead", "had_kv",
         "num_output", "first_token_t", "last_token_t", "queued_since", "first_service_t", "finish",
-        "abort_pending", "failure", "end_tool", "num_cached", "preemptions",
+        "abort_pending", "failure", "end_tool", "num_cached", "preemptions", "num_uncached_at_class",
     )  # fmt: skip
 
     def __init__(
@@ -62,6 +62,7 @@ class Request:
         self.arrival = arrival
         self.state = ReqState.WAITING
         self.phase = Phase.COLD
+        self.num_uncached_at_class = len(tokens)  # prompt tokens not cached when its phase was last decided
         self.num_computed = 0
         self.block_table: list[int] = []
         self.hashes: list[int] = []  # chained hash of each full block of ``tokens`` (a cache)

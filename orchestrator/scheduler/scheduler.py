@@ -191,7 +191,7 @@ class Scheduler:
         req = Request(next(self.seq_ids), session, tokens, sampling, priority, now)
         valid = common // self.kv.block_size  # block hashes of the shared conversation prefix
         req.hashes, req.keys = session.hashes[:valid], session.keys[:valid]
-        req.phase = self._classify(req)
+        self._classify(req, self.kv.peek_cached(req))
         session.active = req
         self.requests[req.seq_id] = req
         self.q.push_waiting(req)
@@ -353,7 +353,7 @@ class Scheduler:
         if result is not Admit.OK:
             return False
         self.q.waiting[req.phase].remove(req)
-        req.phase = self._phase_for(len(req.tokens) - req.num_computed)
+        self._classify(req, req.num_computed)
         self.q.admitted(req)
         return True
 
@@ -533,7 +533,7 @@ class Scheduler:
         req.sampling_sent = False
         req.preemptions += 1
         self.counters["preemptions"] += 1
-        req.phase = self._classify(req)
+        self._classify(req, self.kv.peek_cached(req))
         req.queued_since = now
         self.q.push_waiting(req, front=True)
 
@@ -560,11 +560,10 @@ class Scheduler:
         else:
             self.pending_events.append(self._finish(req, Finish.LENGTH, batch.now))
 
-    def _classify(self, req: Request) -> Phase:
-        return self._phase_for(len(req.tokens) - self.kv.peek_cached(req))
-
-    def _phase_for(self, uncached: int) -> Phase:
-        return Phase.COLD if uncached > self.config.scheduler.cold_threshold_tokens else Phase.RESUME
+    def _classify(self, req: Request, cached: int) -> None:
+        """Its phase from the prompt tokens not cached (``cached`` are), which it keeps with it."""
+        req.num_uncached_at_class = uncached = len(req.tokens) - cached
+        req.phase = Phase.COLD if uncached > self.config.scheduler.cold_threshold_tokens else Phase.RESUME
 
     def _truncate_session(self, session: SessionKV, tokens: list[int], common: int) -> None:
         """Keep the session's retained KV only for the longest block-aligned common prefix."""

@@ -564,24 +564,32 @@ def test_with_nothing_decoding_a_resume_enters_the_chunk_on_cpu_cores_and_rides_
     d.sched.check()
 
 
-def test_on_cpu_cores_with_nothing_decoding_a_resume_waits_for_the_prefill_lanes_resume_step():
-    """A resume arriving while another resume's step holds the prefill lane and no agent decodes waits for that step
-    and takes the lane next (on every core), where riding alone on the idle decode lane would run it on decode's one
-    core, ~2x as long; after ``resume_ride_after_ms`` it rides anyway. (On a GPU it rides at once: the test above.)"""
+@pytest.mark.parametrize("length", [60, 200])
+def test_on_cpu_cores_with_nothing_decoding_a_short_resume_waits_for_the_prefill_lanes_resume_step(length):
+    """A resume arriving while another resume's step holds the prefill lane and no agent decodes: one the prefill lane
+    would hold every core for (at most ``resume_hold_max_tokens``) waits for that step and takes the lane next, where
+    riding alone on the idle decode lane would run it on decode's one core, ~2x as long; after
+    ``resume_ride_after_ms`` it rides anyway. A longer one rides at once (on the lane it would only borrow). On a GPU
+    every one rides at once (the test above)."""
     d = Driver(backend=CPU_CORES_BACKEND)
     sp = SamplingParams(max_tokens=1)  # each finishes with its prefill step: nothing ever decodes
+    assert d.sched.config.scheduler.resume_hold_max_tokens < 200 < d.sched.config.scheduler.cold_threshold_tokens
     first = d.sched.submit(d.sched.open_session(), list(range(300, 360)), sp)
     assert [(p.lane, [s.seq_id for s in p.seqs]) for p in d.pump()] == [(Lane.PREFILL, [first])]
-    second = d.sched.submit(d.sched.open_session(), list(range(400, 460)), sp)
-    assert d.pump() == [], "it waits for the prefill lane"
-    d.land()
-    carrying = [(p.lane, [s.seq_id for s in p.seqs], p.hold_cores) for p in d.pump()]
-    assert carrying == [(Lane.PREFILL, [second], True)]
-    third = d.sched.submit(d.sched.open_session(), list(range(500, 560)), sp)
-    assert d.pump() == []
-    d.now += d.sched.config.scheduler.resume_ride_after_ms / 1e3  # the prefill lane's step outlasts the wait
-    assert [(p.lane, [s.seq_id for s in p.seqs]) for p in d.pump()] == [(Lane.DECODE, [third])]
-    for seq in (first, second, third):
+    second = d.sched.submit(d.sched.open_session(), list(range(400, 400 + length)), sp)
+    if length == 200:
+        assert [(p.lane, [s.seq_id for s in p.seqs]) for p in d.pump()] == [(Lane.DECODE, [second])]
+    else:
+        assert d.pump() == [], "it waits for the prefill lane"
+        d.land()
+        carrying = [(p.lane, [s.seq_id for s in p.seqs], p.hold_cores) for p in d.pump()]
+        assert carrying == [(Lane.PREFILL, [second], True)]
+        third = d.sched.submit(d.sched.open_session(), list(range(500, 560)), sp)
+        assert d.pump() == []
+        d.now += d.sched.config.scheduler.resume_ride_after_ms / 1e3  # the prefill lane's step outlasts the wait
+        assert [(p.lane, [s.seq_id for s in p.seqs]) for p in d.pump()] == [(Lane.DECODE, [third])]
+        d.until_finished(third)
+    for seq in (first, second):
         d.until_finished(seq)
     d.sched.check()
 
