@@ -108,8 +108,9 @@ class AgentServe(Policy):
             alone_on_idle_device = batch.num_decode == 0 and other_rung is None
             if not (alone_on_idle_device and self.borrows and self.config.scheduler.prefill_lane_resumes == "first"):
                 # (borrowing, the idle prefill lane takes them, on every core)
+                decoding = batch.num_decode > 0
                 self.add_prefills(batch, q, Phase.RESUME, self.ctl.b_prefill, admit_new=not starving,
-                                  only=lambda req: self.rides(req, now, batch.num_decode > 0))
+                                  only=lambda req: self.rides(req, now, decoding))
             if alone_on_idle_device and not self.borrows:
                 rung = self.ladder.full  # resumes alone while the prefill lane idles: every unit is free
             return batch.num_decode + self.ctl.b_prefill, rung
@@ -169,7 +170,7 @@ class AgentServe(Policy):
         ``first``, in a step that has decodes only once it has waited ``resume_ride_after_ms``; in one with none
         at once, except on CPU cores for one the prefill lane would run holding every core
         (:meth:`holds_decode_cores`) — alone on decode's one core it takes ~2x as long as after the busy lane's
-        step, where a longer one would only borrow, and wait behind more cold chunks."""
+        step. A longer one would only borrow there, and cold chunks would wait behind it."""
         sc = self.config.scheduler
         held = self.borrows and req.num_uncached_at_class <= sc.resume_hold_max_tokens
         waits = sc.prefill_lane_resumes == "first" and (decoding or held)
