@@ -52,11 +52,11 @@ class StepTrace:
         if self._file.closed:
             return
         decode = sum(1 for _, _, _, is_decode in entries if is_decode)
-        prefill = sum(n for _, n, _, is_decode in entries if not is_decode)
         prefills = [
             {"seq": req.seq_id, "phase": req.phase.name.lower(), "tokens": n, "arrival": req.arrival, "samples": sample}
             for req, n, sample, is_decode in entries if not is_decode
         ]
+        prefill = sum(p["tokens"] for p in prefills)
         line = {
             "step": result.step, "lane": Lane(result.lane).name.lower(), "rung": result.rung, "planned": planned,
             "start": result.t_start, "end": result.t_end, "ms": round((result.t_end - result.t_start) * 1e3, 3),

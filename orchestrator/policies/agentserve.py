@@ -136,9 +136,12 @@ class AgentServe(Policy):
         """A borrowing prefill-lane step of resumes only, of at most ``resume_hold_max_tokens`` tokens: it runs on every
         core even while agents decode, which wait for it.  A short resume on one core beside decode took 1.7-1.9x as
         long; a long one would stall decode for as long as it runs (docs/scheduler.md has the figures)."""
-        return (lane is Lane.PREFILL and self.borrows and bool(batch.entries)
-                and batch.num_prefill_tokens <= self.config.scheduler.resume_hold_max_tokens
+        return (lane is Lane.PREFILL and bool(batch.entries) and self.holds_for(batch.num_prefill_tokens)
                 and all(req.phase is Phase.RESUME for req, *_ in batch.entries))
+
+    def holds_for(self, prefill_tokens: int) -> bool:
+        """Whether a prefill-lane step of resumes of this many tokens would hold decode's cores."""
+        return self.borrows and prefill_tokens <= self.config.scheduler.resume_hold_max_tokens
 
     def fill_preempting(self, batch: Batch, q: Queues, now: float, running: list[Entry],
                         preempted: int) -> tuple[int, int] | None:
@@ -169,11 +172,10 @@ class AgentServe(Policy):
         """Whether a waiting resume may ride in this decode step rather than wait for the prefill lane: with
         ``first``, in a step that has decodes only once it has waited ``resume_ride_after_ms``; in one with none
         at once, except on CPU cores for one the prefill lane would run holding every core
-        (:meth:`holds_decode_cores`) — alone on decode's one core it takes ~2x as long as after the busy lane's
+        (:meth:`holds_for`) — alone on decode's one core it takes ~2x as long as after the busy lane's
         step. A longer one would only borrow there, and cold chunks would wait behind it."""
         sc = self.config.scheduler
-        held = self.borrows and req.num_uncached_at_class <= sc.resume_hold_max_tokens
-        waits = sc.prefill_lane_resumes == "first" and (decoding or held)
+        waits = sc.prefill_lane_resumes == "first" and (decoding or self.holds_for(req.num_uncached_at_class))
         return not waits or now - req.arrival >= sc.resume_ride_after_ms / 1e3
 
     def prefill_rung(self, q: Queues, starving: bool, decode_rung: int | None) -> int:
