@@ -148,7 +148,7 @@ class Executor:
         num_tokens = sum(max(1, len(s.token_ids)) for s in plan.seqs)
         label = f"{lane.name.lower()} rung {plan.rung} batch {len(plan.seqs)} tokens {num_tokens}"
         try:
-            scope = self.backend.step_scope(binding, num_tokens, plan.hold_cores)
+            scope = self.backend.step_scope(binding, num_tokens, plan.hold_cores, plan.decode_idle)
             with scope, timed_step(binding.stream, label) as clock:
                 seqs = self.step.run(plan)
         except Exception as e:  # noqa: BLE001 - a failed step is reported, the lane lives on

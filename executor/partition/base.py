@@ -110,12 +110,13 @@ class PartitionBackend(ABC):
             yield binding
 
     def step_scope(
-        self, binding: LaneBinding, num_tokens: int, hold_cores: bool = False
+        self, binding: LaneBinding, num_tokens: int, hold_cores: bool = False, decode_idle: bool = False
     ) -> AbstractContextManager[None]:
         """Settings for one step of ``num_tokens`` tokens inside ``binding`` (enter on the lane thread).
 
         None by default; the CPU backend picks the step's intra-op thread count and lends decode's idle cores to
-        a shared-rung prefill step (``hold_cores``: ``Plan.hold_cores``, decode's cores to the step's end)."""
+        a shared-rung prefill step (``hold_cores``: ``Plan.hold_cores``, decode's cores to the step's end;
+        ``decode_idle``: ``Plan.decode_idle``, lent from its start)."""
         return nullcontext()
 
     def between_layers(self, binding: LaneBinding) -> None:

@@ -196,12 +196,14 @@ class CpuCoresBackend(PartitionBackend):
                 pin_team(sorted(old_mask), min(old_threads, len(cores), len(old_mask)), one_core_each=False)
 
     @contextmanager
-    def step_scope(self, binding: LaneBinding, num_tokens: int, hold_cores: bool = False) -> Iterator[None]:
+    def step_scope(self, binding: LaneBinding, num_tokens: int, hold_cores: bool = False,
+                   decode_idle: bool = False) -> Iterator[None]:
         """One intra-op thread for a step of at most ``ONE_THREAD_MAX_TOKENS`` tokens, the binding's count otherwise;
         with the core loan, a decode step first takes its cores back and a shared-rung prefill step borrows them
-        (with ``hold_cores``, to its end: :meth:`.CoreLoan.hold`)."""
+        (with ``hold_cores``, to its end: :meth:`.CoreLoan.hold`; with ``decode_idle``, from its start:
+        :meth:`.CoreLoan.burst_ended`)."""
         if self.loan is not None and binding.lane == Lane.PREFILL and not binding.rung.partitioned:
-            with self._borrowing(binding, num_tokens, hold_cores):
+            with self._borrowing(binding, num_tokens, hold_cores, decode_idle):
                 yield
             return
         waiting = self.loan.decode_step() if self.loan is not None and binding.lane == Lane.DECODE else nullcontext()
@@ -225,11 +227,13 @@ class CpuCoresBackend(PartitionBackend):
                 release_team()
 
     @contextmanager
-    def _borrowing(self, binding: LaneBinding, num_tokens: int, hold: bool) -> Iterator[None]:
+    def _borrowing(self, binding: LaneBinding, num_tokens: int, hold: bool, decode_idle: bool) -> Iterator[None]:
         """A prefill step on the shared rung: on every core while decode lends them (or to its end, held), refitted
         between layers."""
         loan = self.loan
         assert loan is not None
+        if decode_idle:
+            loan.burst_ended()
         if hold:
             loan.hold()
         self._prefill_steps.append(num_tokens)

@@ -430,7 +430,9 @@ class Scheduler:
             rung = running.rung
         self.counters["plans"] += 1
         hold = self.policy.holds_decode_cores(lane, batch)
-        return Plan(step, lane, rung, budget, batch.seqs, preempt=running is not None, hold_cores=hold), batch.blocked
+        idle = lane is Lane.PREFILL and not self.q.decoding and not self.lanes.get(Lane.DECODE)
+        return Plan(step, lane, rung, budget, batch.seqs, preempt=running is not None, hold_cores=hold,
+                    decode_idle=idle), batch.blocked
 
     def _other_rung(self, lane: Lane) -> int | None:
         """The rung the other lane holds: the full rung if any of its queued plans is on it, else its last."""

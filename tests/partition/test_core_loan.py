@@ -31,6 +31,26 @@ def test_prefill_borrows_only_once_decode_has_been_idle_long_enough() -> None:
     assert loan.try_borrow() and loan.borrows == 2
 
 
+def test_a_step_planned_with_nothing_decoding_borrows_at_once_until_decode_runs_again() -> None:
+    """``burst_ended`` (``Plan.decode_idle``): the decode step that ended a moment ago ended its burst, so the cores
+    are lent now; a decode step after that (running, or ended within ``widen_after_s``) wants them back as before."""
+    now = [100.0]
+    loan = CoreLoan(widen_after_s=0.01, clock=lambda: now[0])
+    with loan.decode_step():
+        loan.burst_ended()  # decode is running: no effect
+    now[0] += 0.002
+    assert not loan.try_borrow(), "premise: within widen_after_s of a decode step"
+    loan.burst_ended()
+    assert loan.try_borrow() and not loan.wanted_back(), "lent at once, and not asked back"
+    loan.give_back()
+    with loan.decode_step():
+        assert loan.wanted_back()
+    now[0] += 0.002
+    assert loan.wanted_back() and not loan.try_borrow(), "a decode step after it starts a burst again"
+    now[0] += 0.01
+    assert loan.try_borrow() and loan.borrows == 2
+
+
 def test_a_decode_step_waits_until_the_cores_come_back() -> None:
     loan = CoreLoan(widen_after_s=0.0, return_timeout_s=10.0)
     assert loan.try_borrow()
@@ -256,6 +276,34 @@ def test_a_held_prefill_step_runs_on_every_core_through_its_layers_while_decode_
     assert views["layer0"] == views["layer1"] == (cpu.cores, len(cpu.cores)), "held: wide through its layers"
     assert times["decode"] > times["end"], "decode ran inside the held step"
     assert cpu.loan.holds == 1 and cpu.loan.late_returns == 0 and not cpu.loan.lent
+
+
+def test_a_prefill_step_planned_with_nothing_decoding_runs_wide_from_its_start(cpu: CpuCoresBackend) -> None:
+    """Right after a decode step a plain prefill step starts on its own cores (decode may be mid-burst); one the
+    scheduler planned with nothing decoding (``decode_idle``) starts on every core and stays there between layers."""
+    cpu.loan = CoreLoan(widen_after_s=10.0, return_timeout_s=0.05)  # any decode step counts as recent
+    top = cpu.ladder[-1].index
+    views: dict[str, tuple[tuple[int, ...], int] | None] = {}
+
+    def chunk(binding, name: str, idle: bool):
+        with cpu.step_scope(binding, 256, decode_idle=idle):
+            views[f"{name} layer0"] = _view()
+            between_layers()
+            views[f"{name} layer1"] = _view()
+
+    def decode_step(binding):
+        with cpu.step_scope(binding, 1):
+            pass
+
+    with LaneWorker(cpu, Lane.PREFILL, rung=top) as pre, LaneWorker(cpu, Lane.DECODE, rung=0) as dec:
+        dec.submit(lambda b: None).result(10)
+        dec.submit(decode_step).result(10)
+        pre.submit(lambda b: chunk(b, "plain", False)).result(10)
+        pre.submit(lambda b: chunk(b, "idle", True)).result(10)
+    own = tuple(c for c in cpu.cores if c not in cpu.cores_for(Lane.DECODE, cpu.ladder[0]))
+    assert views["plain layer0"] == views["plain layer1"] == (own, len(own)), "premise: decode ran just now"
+    assert views["idle layer0"] == views["idle layer1"] == (cpu.cores, len(cpu.cores))
+    assert not cpu.loan.lent and cpu.loan.borrows == 1
 
 
 def test_a_preempting_step_inside_a_borrowing_chunk_gives_the_core_back_between_its_own_layers(

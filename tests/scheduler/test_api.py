@@ -497,6 +497,36 @@ def test_on_cpu_cores_a_prefill_step_of_short_resumes_holds_decodes_cores(backen
     d.sched.check()
 
 
+def test_a_prefill_plan_says_whether_any_sequence_decodes():
+    """``Plan.decode_idle``: a prefill-lane plan made while no sequence decodes and no decode plan is in flight (the
+    executor then lends decode's cores from the step's start); never one made beside a decode, nor a decode plan."""
+    d = Driver()
+    alone = d.sched.submit(d.sched.open_session(), list(range(5000, 6000)), SamplingParams(max_tokens=1))
+    (plan,) = d.pump()
+    assert plan.lane is Lane.PREFILL and plan.decode_idle
+    d.until_finished(alone)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    decoding = d.sched.submit(d.sched.open_session(), list(range(10, 60)), sp)
+    d.pump()
+    d.land()
+    d.pump()  # decoding now
+    cold = d.sched.submit(d.sched.open_session(), list(range(100, 3100)), SamplingParams(max_tokens=1))
+    seen = {True: 0, False: 0}  # prefill plans, by whether a sequence decoded when they were made
+    for _ in range(100):
+        busy = bool(d.sched.q.decoding or d.sched.lanes[Lane.DECODE])
+        plans = d.pump()
+        for p in plans:
+            assert p.decode_idle == (p.lane is Lane.PREFILL and not busy), (p, busy)
+            seen[busy] += p.lane is Lane.PREFILL
+        if not d.pending:
+            break
+        d.land()
+    assert seen[True] and seen[False], f"premise: chunks planned both beside the decode and after it: {seen}"
+    for seq in (decoding, cold):
+        d.until_finished(seq)
+    d.sched.check()
+
+
 def test_a_resume_runs_inside_the_cold_chunk_in_flight_once_per_chunk():
     """With ``preempt_cold_chunks`` the waiting resumes are sent at once, in one step, to run inside the cold
     chunk holding the prefill lane (at its next layer boundary): their result comes back first and the
