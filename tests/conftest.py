@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
 from agentserve.shm.segment import pid_alive, read_header
 
 SHM_DIR = "/dev/shm"
+
+# A shell starts a command it puts in the background (`cmd &`, without job control) with SIGINT ignored, and the
+# processes the tests start would inherit that: the tests that press Ctrl-C on them need it to arrive, as from a
+# terminal.  Python's own handler here is reset to the default in every child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True, scope="session")
