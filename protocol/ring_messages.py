@@ -58,8 +58,8 @@ class Plan(WireStruct, tag="plan"):
     # on CPU cores, a shared-rung prefill step (resumes only) that takes the decode lane's cores once the decode step
     # running ends and keeps them to its end, decode waiting: a resume on every core, as under fcfs
     hold_cores: bool = False
-    # on CPU cores, a prefill step planned while no sequence decodes: it borrows the decode lane's cores from its start,
-    # not once decode has been idle for the pause that ends a burst of decode steps
+    # on CPU cores, a prefill step planned while no sequence decodes and no decode plan is in flight or sent with it: it
+    # borrows the decode lane's cores from its start, not once decode has been idle for the pause that ends a burst
     decode_idle: bool = False
 
 

@@ -4,8 +4,8 @@ On the shared (top) rung the prefill lane may use every core; while the decode l
 rung, the cores of decode's partition are only *lent* to it:
 
 - the prefill lane, at the start of each step and between its layers, runs on every core while decode is
-  idle — no decode step running and none ended within ``widen_after_s``, or the last one ended before a step
-  the scheduler planned with nothing decoding (``Plan.decode_idle``: that step ended its burst,
+  idle — no decode step running and none ended within ``widen_after_s``, or none since a step the scheduler
+  planned with nothing decoding began (``Plan.decode_idle``: the last one ended its burst,
   :meth:`CoreLoan.burst_ended`) — and on its own cores otherwise (:meth:`CoreLoan.try_borrow` /
   :meth:`CoreLoan.give_back`);
 - a decode step, before it runs, asks for its cores back and waits until the prefill lane has returned
@@ -53,7 +53,6 @@ class CoreLoan:
         self._cond = threading.Condition()
         self._decoding = 0  # decode steps waiting for their cores or running (0 or 1: one decode lane)
         self._decode_ended = float("-inf")
-        self._burst_over = float("-inf")  # a decode step that ended by then ended its burst (burst_ended)
         self._lent = False
         self._holds = 0  # prefill steps that keep decode's cores for their whole length (decode waits them out)
         self._running = False  # a decode step is running (not merely waiting for its cores)
@@ -80,13 +79,11 @@ class CoreLoan:
         decode step that ended last ended its burst, so decode's cores are free now, not ``widen_after_s`` after it
         (a cold prompt that starts a task arrives a few ms after its agent's last decode step)."""
         with self._cond:
-            if self._decoding == 0:
-                self._burst_over = self._decode_ended
+            self._decode_ended = float("-inf")
 
     def _idle(self) -> bool:
-        """No decode step running or waiting, and the last one's burst over (call holding the lock)."""
-        return self._decoding == 0 and (
-            self._decode_ended <= self._burst_over or self._clock() - self._decode_ended >= self.widen_after_s)
+        """No decode step running or waiting, and none ended within ``widen_after_s`` (call holding the lock)."""
+        return self._decoding == 0 and self._clock() - self._decode_ended >= self.widen_after_s
 
     @property
     def held(self) -> bool:

@@ -394,6 +394,10 @@ class Scheduler:
                 plans.append(plan)
         if not first:
             blocked |= self._plan_preempting(now, plans)
+        if not self.q.decoding and not self.lanes.get(Lane.DECODE):  # decode plans sent in this call are in flight
+            for plan in plans:
+                if isinstance(plan, Plan) and plan.lane is Lane.PREFILL:
+                    plan.decode_idle = True
         return plans, blocked
 
     def _plan_preempting(self, now: float, plans: list[Plan | Release]) -> bool:
@@ -430,9 +434,7 @@ class Scheduler:
             rung = running.rung
         self.counters["plans"] += 1
         hold = self.policy.holds_decode_cores(lane, batch)
-        idle = lane is Lane.PREFILL and not self.q.decoding and not self.lanes.get(Lane.DECODE)
-        return Plan(step, lane, rung, budget, batch.seqs, preempt=running is not None, hold_cores=hold,
-                    decode_idle=idle), batch.blocked
+        return Plan(step, lane, rung, budget, batch.seqs, preempt=running is not None, hold_cores=hold), batch.blocked
 
     def _other_rung(self, lane: Lane) -> int | None:
         """The rung the other lane holds: the full rung if any of its queued plans is on it, else its last."""

@@ -37,7 +37,7 @@ def test_a_step_planned_with_nothing_decoding_borrows_at_once_until_decode_runs_
     now = [100.0]
     loan = CoreLoan(widen_after_s=0.01, clock=lambda: now[0])
     with loan.decode_step():
-        loan.burst_ended()  # decode is running: no effect
+        pass
     now[0] += 0.002
     assert not loan.try_borrow(), "premise: within widen_after_s of a decode step"
     loan.burst_ended()
@@ -283,7 +283,7 @@ def test_a_prefill_step_planned_with_nothing_decoding_runs_wide_from_its_start(c
     scheduler planned with nothing decoding (``decode_idle``) starts on every core and stays there between layers."""
     cpu.loan = CoreLoan(widen_after_s=10.0, return_timeout_s=0.05)  # any decode step counts as recent
     top = cpu.ladder[-1].index
-    views: dict[str, tuple[tuple[int, ...], int] | None] = {}
+    views: dict[str, tuple[tuple[int, ...], int]] = {}
 
     def chunk(binding, name: str, idle: bool):
         with cpu.step_scope(binding, 256, decode_idle=idle):

@@ -497,10 +497,20 @@ def test_on_cpu_cores_a_prefill_step_of_short_resumes_holds_decodes_cores(backen
     d.sched.check()
 
 
-def test_a_prefill_plan_says_whether_any_sequence_decodes():
-    """``Plan.decode_idle``: a prefill-lane plan made while no sequence decodes and no decode plan is in flight (the
-    executor then lends decode's cores from the step's start); never one made beside a decode, nor a decode plan."""
-    d = Driver()
+def _assert_decode_idle_flags(d: Driver, plans: list[Plan]) -> bool:
+    """Check one ``pump()``'s plans against the rule for ``Plan.decode_idle``; whether a sequence decoded."""
+    busy = bool(d.sched.q.decoding or d.sched.lanes[Lane.DECODE])  # decode plans sent by that pump included
+    for p in plans:
+        assert p.decode_idle == (p.lane is Lane.PREFILL and not busy), (p, busy)
+    return busy
+
+
+@pytest.mark.parametrize("backend", [CPU_CORES_BACKEND, "fake"])
+def test_a_prefill_plan_says_whether_any_sequence_decodes(backend):
+    """``Plan.decode_idle``: a prefill-lane plan made while no sequence decodes and no decode plan is in flight or sent
+    with it (the executor then lends decode's cores from the step's start); never one made beside a decode, nor a
+    decode plan."""
+    d = Driver(backend=backend)
     alone = d.sched.submit(d.sched.open_session(), list(range(5000, 6000)), SamplingParams(max_tokens=1))
     (plan,) = d.pump()
     assert plan.lane is Lane.PREFILL and plan.decode_idle
@@ -513,16 +523,35 @@ def test_a_prefill_plan_says_whether_any_sequence_decodes():
     cold = d.sched.submit(d.sched.open_session(), list(range(100, 3100)), SamplingParams(max_tokens=1))
     seen = {True: 0, False: 0}  # prefill plans, by whether a sequence decoded when they were made
     for _ in range(100):
-        busy = bool(d.sched.q.decoding or d.sched.lanes[Lane.DECODE])
         plans = d.pump()
-        for p in plans:
-            assert p.decode_idle == (p.lane is Lane.PREFILL and not busy), (p, busy)
-            seen[busy] += p.lane is Lane.PREFILL
+        seen[_assert_decode_idle_flags(d, plans)] += sum(p.lane is Lane.PREFILL for p in plans)
         if not d.pending:
             break
         d.land()
     assert seen[True] and seen[False], f"premise: chunks planned both beside the decode and after it: {seen}"
     for seq in (decoding, cold):
+        d.until_finished(seq)
+    d.sched.check()
+
+
+def test_a_plan_entering_a_chunk_is_not_decode_idle_when_a_resume_rides_in_the_same_call():
+    """On CPU cores a resume entering the cold chunk in flight is planned before the decode lane; a longer resume
+    that then rides on the idle decode lane in the same call starts a burst, so the entering plan must not say that
+    decode is idle."""
+    d = Driver(backend=CPU_CORES_BACKEND)
+    cold = d.sched.submit(d.sched.open_session(), list(range(100, 3100)), SamplingParams(max_tokens=1))
+    (chunk,) = d.pump()
+    assert chunk.lane is Lane.PREFILL and chunk.decode_idle
+    sp = SamplingParams(max_tokens=3)
+    budget = d.sched.config.scheduler.cold_chunk_tokens  # the entering plan's, filled by the first resume
+    entering = d.sched.submit(d.sched.open_session(), list(range(300, 300 + budget)), sp)
+    riding = d.sched.submit(d.sched.open_session(), list(range(4000, 4300)), sp)
+    plans = d.pump()
+    lanes = {(p.lane, p.preempt): [s.seq_id for s in p.seqs] for p in plans}
+    assert lanes == {(Lane.PREFILL, True): [entering], (Lane.DECODE, False): [riding]}, lanes
+    _assert_decode_idle_flags(d, plans)
+    assert not any(p.decode_idle for p in plans)
+    for seq in (entering, riding, cold):
         d.until_finished(seq)
     d.sched.check()
 
