@@ -38,6 +38,9 @@ class PagedDecodeKernel:
         has_f16 = library.paged_decode_has_f16
         has_f16.argtypes, has_f16.restype = [], i32
         self.reads_f16 = bool(has_f16())
+        lanes = library.paged_decode_lanes
+        lanes.argtypes, lanes.restype = [], i32
+        self.lanes = int(lanes())  # vector width of its walk for 3+ query heads per KV head: 16 (AVX-512), 8, 1
         self.cache_dtypes = (torch.float32, torch.float16) if self.reads_f16 else (torch.float32,)
 
     def supports(self, heads: int, kv_heads: int, dim: int, block_size: int) -> bool:

@@ -25,7 +25,10 @@
  * `threads`.  Every visit prefetches the next visit's span a few rows at a time, spread over its work (blocks
  * are scattered, so the hardware's stream prefetcher starts cold at each).  The batch is split into one group
  * of sequences per OpenMP thread (`threads`; with as many threads as sequences each group is one sequence:
- * parallel, but no reuse).  AVX2 + FMA where the CPU has both (plain loops otherwise).
+ * parallel, but no reuse).  AVX2 + FMA where the CPU has both (plain loops otherwise); on AVX-512 the scores of
+ * groups of three or more heads (four keys a call for a quad, sixteen FMA chains reduced by a transpose-and-add tree)
+ * and every value sum run on 16-wide vectors, for head sizes a multiple of 16 (`paged_decode_lanes`; building with
+ * -DAGENTSERVE_DECODE_AVX2 keeps the AVX2 walk there, for comparison).
  * Compiled with -ffast-math (reassociated sums), hence no infinities below; subnormals are flushed only inside
  * the call (the caller's floating-point mode is restored).
  */
@@ -55,6 +58,9 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define SIMD8 1
+#endif
+#if defined(SIMD8) && defined(__AVX512F__) && !defined(AGENTSERVE_DECODE_AVX2)
+#define SIMD16 1 /* scores and value sums of groups of three or more heads on 16-wide vectors */
 #endif
 
 typedef struct {
@@ -190,6 +196,66 @@ INLINE void scores_narrow(float *restrict s, const float *const *q, int R, int g
 }
 #endif
 
+#ifdef SIMD16
+/* 16 cache elements from p as floats (fp16 when `f16`, else fp32). */
+INLINE __m512 load16(const void *p, const int f16) {
+    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* Lane i of the result is the sum of a[i]'s 16 lanes: pairs of vectors interleaved and added by 32-bit elements,
+ * then by 64-bit pairs (each 128-bit lane then holds four partial sums), then across 128-bit lanes. */
+INLINE __m512 sum_lanes16(const __m512 a[16]) {
+    __m512 s[8], r[4], t[2];
+    for (int j = 0; j < 8; j++)
+        s[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+    for (int j = 0; j < 4; j++) {
+        const __m512d u = _mm512_castps_pd(s[2 * j]), v = _mm512_castps_pd(s[2 * j + 1]);
+        r[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, v)), _mm512_castpd_ps(_mm512_unpackhi_pd(u, v)));
+    }
+    for (int j = 0; j < 2; j++) /* 128-bit lanes 0 + 1 and 2 + 3 of two vectors */
+        t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * j], r[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(r[2 * j], r[2 * j + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xdd));
+}
+
+/* Scores of four keys (k[t] + off) for a quad's four query heads: lane 4 t + i is key t's score for head i.  Each
+ * key chunk is loaded once for the four heads; sixteen independent FMA chains, then the tree above. */
+INLINE __m512 dots_quad16(const float *const q[QUAD], const char *const k[4], int64_t off, const int dim,
+                          const int f16) {
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+    for (int d = 0; d < dim; d += 16) {
+        __m512 kv[4];
+        for (int t = 0; t < 4; t++) {
+            kv[t] = load16(AT(k[t] + off, d), f16);
+            __asm__("" : "+v"(kv[t])); /* one load of each key chunk for all four heads */
+        }
+        for (int i = 0; i < QUAD; i++) {
+            const __m512 qv = _mm512_loadu_ps(q[i] + d);
+            for (int t = 0; t < 4; t++) a[4 * t + i] = _mm512_fmadd_ps(qv, kv[t], a[4 * t + i]);
+        }
+    }
+    return sum_lanes16(a);
+}
+
+/* The quads' scores four tokens a call (a last short call repeats the span's last key and keeps its real rows). */
+INLINE void scores_quads16(float *restrict s, const float *const *q, int R, const Span *cur, int64_t off,
+                           const Span *nxt, const int dim, const int f16) {
+    const int n = cur->n, pn = nxt ? nxt->n : 0, calls = (R / QUAD) * ((n + 3) / 4);
+    int fetched = 0;
+    float v[16] __attribute__((aligned(64)));
+    for (int r = 0, call = 0; r < R; r += QUAD)
+        for (int t = 0; t < n; t += 4) {
+            fetched = prefetch_rows(nxt, off, dim, fetched, pn * ++call / calls, f16);
+            const char *k[4];
+            for (int i = 0; i < 4; i++) k[i] = cur->k[t + i < n ? t + i : n - 1];
+            _mm512_store_ps(v, dots_quad16(q + r, k, off, dim, f16));
+            for (int i = 0; i < 4 && t + i < n; i++) memcpy(s + (t + i) * R + r, v + 4 * i, sizeof(float) * QUAD);
+        }
+}
+#endif
+
 /* Scores s[t][r] (R per token, a multiple of QUAD) of the span's tokens for one KV head's query heads q[r] (its
  * part of each row `off` bytes in; rows from `group` on are padding); the next visit's rows of this head
  * prefetched along the way.  A group of one or two heads leaves its padded rows as they are. */
@@ -203,6 +269,12 @@ INLINE void scores(float *restrict s, const float *const *q, int R, int group, c
         scores_narrow(s, q, R, group, cur, off, nxt, dim, f16);
         return;
     }
+#ifdef SIMD16
+    if (dim % 16 == 0) {
+        scores_quads16(s, q, R, cur, off, nxt, dim, f16);
+        return;
+    }
+#endif
     if (dim % 8 == 0) {
         const int calls = (R / QUAD) * ((n + 1) / 2);
         for (int r = 0, call = 0; r < R; r += QUAD)
@@ -314,10 +386,50 @@ INLINE void accumulate(float *restrict acc, const float *restrict c, const float
 }
 #endif
 
+#ifdef SIMD16
+/* As accumulate over dims [d0, d0 + 16 CH) (CH <= 4) on 16-wide vectors: rows x CH independent FMA chains. */
+INLINE void accumulate16(float *restrict acc, const float *restrict c, const float *restrict p, int R, const Span *sp,
+                         int64_t off, const int dim, int d0, const int CH, const int rows, const int f16) {
+    __m512 a[QUAD][4];
+    for (int i = 0; i < rows; i++) {
+        const __m512 k = _mm512_set1_ps(c[i]);
+        for (int j = 0; j < CH; j++) a[i][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * dim + d0 + 16 * j), k);
+    }
+    for (int t = 0; t < sp->n; t++) {
+        const char *vt = sp->v[t] + off;
+        __m512 v[4];
+        for (int j = 0; j < CH; j++) {
+            v[j] = load16(AT(vt, d0 + 16 * j), f16);
+            __asm__("" : "+v"(v[j])); /* keep the value chunk in registers for all rows */
+        }
+        for (int i = 0; i < rows; i++) {
+            const __m512 w = _mm512_set1_ps(p[t * R + i]);
+            for (int j = 0; j < CH; j++) a[i][j] = _mm512_fmadd_ps(w, v[j], a[i][j]);
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < CH; j++) _mm512_storeu_ps(acc + i * dim + d0 + 16 * j, a[i][j]);
+}
+
+/* accumulate16 over all `dim` dims (a multiple of 16), 64 at a time. */
+INLINE void accumulate_all16(float *restrict acc, const float *restrict c, const float *restrict p, int R,
+                             const Span *sp, int64_t off, const int dim, const int rows, const int f16) {
+    int d = 0;
+    for (; d + 64 <= dim; d += 64) accumulate16(acc, c, p, R, sp, off, dim, d, 4, rows, f16);
+    for (; d < dim; d += 16) accumulate16(acc, c, p, R, sp, off, dim, d, 1, rows, f16);
+}
+#endif
+
 /* acc[g] = c[g] acc[g] + sum_t p[t][g] v_t for the `group` query heads of one KV head. */
 INLINE void values(float *restrict acc, const float *restrict c, const float *restrict p, int R, int group,
                    const Span *sp, int64_t off, const int dim, const int f16) {
     int g = 0;
+#ifdef SIMD16
+    if (dim % 16 == 0) {
+        for (; g + QUAD <= group; g += QUAD) accumulate_all16(acc + g * dim, c + g, p + g, R, sp, off, dim, QUAD, f16);
+        for (; g < group; g++) accumulate_all16(acc + g * dim, c + g, p + g, R, sp, off, dim, 1, f16);
+    }
+#endif
 #ifdef SIMD8
     if (dim % 16 == 0) {
         for (; g + QUAD <= group; g += QUAD) accumulate(acc + g * dim, c + g, p + g, R, sp, off, dim, QUAD, f16);
@@ -484,6 +596,18 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      int dim, int block_size, int width, float scale, int threads) {
     return paged_decode(q, k_cache, v_cache, num_blocks, tables, lens, out, batch, heads, kv_heads, dim, block_size,
                         width, scale, threads, 0);
+}
+
+/* The vector width of this build's scores (groups of three or more query heads per KV head) and value sums, for
+ * head sizes a multiple of 16: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (plain loops). */
+int paged_decode_lanes(void) {
+#if defined(SIMD16)
+    return 16;
+#elif defined(SIMD8)
+    return 8;
+#else
+    return 1;
+#endif
 }
 
 /* 1 when this build reads fp16 caches (the CPU has F16C), else 0. */

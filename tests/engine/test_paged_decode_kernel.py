@@ -4,6 +4,7 @@ a clean fallback (or a clear error for ``cpu-kernel``) where it cannot be used."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def random_case(kv_heads: int, group: int, dim: int, block_size: int, lens: list
 
 @settings(max_examples=60, deadline=None)
 @given(kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3, 4, 5, 8, 16]),
-       dim=st.sampled_from([8, 12, 64, 128]), block_size=st.sampled_from([1, 4, 7, 16, 64]),
+       dim=st.sampled_from([8, 12, 48, 64, 80, 128]), block_size=st.sampled_from([1, 4, 7, 16, 64]),
        lens=st.lists(st.integers(1, 200), min_size=1, max_size=5), magnitude=st.sampled_from([1.0, 30.0]),
        seed=st.integers(0, 2**16), shared=st.integers(0, 12))
 def test_kernel_equals_float64_attention(kernel, kv_heads, group, dim, block_size, lens, magnitude, seed, shared):
@@ -81,6 +82,48 @@ def test_kernel_equals_float64_attention(kernel, kv_heads, group, dim, block_siz
     got = kernel(q, k_cache, v_cache, tables, lens_t, scale)
     want = reference(q, k_cache, v_cache, tables, lens_t, scale)
     assert torch.allclose(got.double(), want, atol=2e-5 * magnitude, rtol=1e-4)
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU's flags (the line the library's build key records) list ``flag``."""
+    return flag in build._cpu_flags().split()
+
+
+def test_the_walk_is_as_wide_as_the_cpu_allows(kernel):
+    want = 16 if cpu_has("avx512f") else 8 if cpu_has("avx2") and cpu_has("fma") else 1
+    assert kernel.lanes == want
+
+
+OTHER_WALK = r"""
+import json, sys
+import torch
+from test_paged_decode_kernel import random_case, reference
+from agentserve.executor.attention import cpu_kernel
+
+kernel, worst = cpu_kernel.load(), 0.0
+for seed, (kv_heads, group, dim) in enumerate([(2, 4, 64), (1, 3, 80), (2, 8, 128), (1, 16, 64), (2, 5, 48)]):
+    for half in (False, True):
+        q, k, v, tables, lens = random_case(kv_heads, group, dim, 16, [300, 41, 170], 30.0, seed, shared=3)
+        k, v = (k.half(), v.half()) if half else (k, v)
+        got = kernel(q, k, v, tables, lens, dim**-0.5).double()
+        want = reference(q, k.float(), v.float(), tables, lens, dim**-0.5)
+        worst = max(worst, ((got - want).abs() / (2e-5 * 30.0 + 1e-4 * want.abs())).max().item())
+print(json.dumps({"lanes": kernel.lanes, "worst": worst}))
+"""
+
+
+def test_the_avx2_walk_equals_float64_attention_on_either_cpu_class(tmp_path):
+    """Each CPU class compiles only its own walk: here the AVX2 one is built (``-DAGENTSERVE_DECODE_AVX2``, a fresh
+    cache, a fresh process; on an AVX2-only CPU the same as the native build) and checked on whichever class this is,
+    with the native walk checked by the tests above."""
+    if not (cpu_has("avx2") and cpu_has("fma") and cpu_has("f16c")):
+        pytest.skip("no AVX2 + FMA + F16C here")
+    env = {**os.environ, build.DIR_ENV: str(tmp_path), build.CFLAGS_ENV: "-DAGENTSERVE_DECODE_AVX2",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", OTHER_WALK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["lanes"] == 8 and out["worst"] <= 1.0, out
 
 
 def test_threads_split_sequences_without_changing_results(kernel):
