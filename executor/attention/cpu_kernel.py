@@ -38,9 +38,12 @@ class PagedDecodeKernel:
         has_f16 = library.paged_decode_has_f16
         has_f16.argtypes, has_f16.restype = [], i32
         self.reads_f16 = bool(has_f16())
-        lanes = library.paged_decode_lanes
-        lanes.argtypes, lanes.restype = [], i32
-        self.lanes = int(lanes())  # vector width of its walk for 3+ query heads per KV head: 16 (AVX-512), 8, 1
+        # the vector width of its walk for 3+ query heads per KV head: 16 (AVX-512), 8 or 1; 0 for a source older than
+        # the symbol (scripts/bench_decode_kernel.py wraps earlier versions to compare them)
+        lanes = getattr(library, "paged_decode_lanes", None)
+        if lanes is not None:
+            lanes.argtypes, lanes.restype = [], i32
+        self.lanes = int(lanes()) if lanes is not None else 0
         self.cache_dtypes = (torch.float32, torch.float16) if self.reads_f16 else (torch.float32,)
 
     def supports(self, heads: int, kv_heads: int, dim: int, block_size: int) -> bool:
