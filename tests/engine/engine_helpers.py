@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from agentserve.executor.kernels import build
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
 VOCAB = 300
@@ -78,6 +79,11 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_new: i
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                              min_new_tokens=max_new, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU's flags (the line the compiled library's build key records) list ``flag``."""
+    return flag in build._cpu_flags().split()
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from engine_helpers import REL_TOL, hf_logits, random_prompts, rel_err
+from engine_helpers import REL_TOL, cpu_has, hf_logits, random_prompts, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -84,19 +84,13 @@ def test_kernel_equals_float64_attention(kernel, kv_heads, group, dim, block_siz
     assert torch.allclose(got.double(), want, atol=2e-5 * magnitude, rtol=1e-4)
 
 
-def cpu_has(flag: str) -> bool:
-    """Whether this CPU's flags (the line the library's build key records) list ``flag``."""
-    return flag in build._cpu_flags().split()
-
-
 def test_the_walk_is_as_wide_as_the_cpu_allows(kernel):
     want = 16 if cpu_has("avx512f") else 8 if cpu_has("avx2") and cpu_has("fma") else 1
     assert kernel.lanes == want
 
 
 OTHER_WALK = r"""
-import json, sys
-import torch
+import json
 from test_paged_decode_kernel import random_case, reference
 from agentserve.executor.attention import cpu_kernel
 

@@ -20,6 +20,7 @@ from engine_helpers import (
     BF16_TOL,
     MAX_NEW,
     REL_TOL,
+    cpu_has,
     greedy_generate,
     hf_logits,
     random_prompts,
@@ -62,11 +63,6 @@ def fp32_kernel() -> cpu_prefill.PagedPrefillKernel:
 @pytest.fixture(scope="module", params=["bf16", "fp32"])
 def any_kernel(request) -> cpu_prefill.PagedPrefillKernel:
     return request.getfixturevalue("kernel" if request.param == "bf16" else "fp32_kernel")
-
-
-def cpu_has(flag: str) -> bool:
-    """Whether this CPU's flags (the line the library's build key records) list ``flag``."""
-    return flag in build._cpu_flags().split()
 
 
 def bf16(t: torch.Tensor) -> torch.Tensor:
