@@ -28,7 +28,9 @@
  * parallel, but no reuse).  AVX2 + FMA where the CPU has both (plain loops otherwise); on AVX-512 the scores of
  * groups of three or more heads (four keys a call for a quad, sixteen FMA chains reduced by a transpose-and-add tree)
  * and every value sum run on 16-wide vectors, for head sizes a multiple of 16 (`paged_decode_lanes`; building with
- * -DAGENTSERVE_DECODE_AVX2 keeps the AVX2 walk there, for comparison).
+ * -DAGENTSERVE_DECODE_AVX2 keeps the AVX2 walk there, for comparison); that walk prefetches the next span's keys while
+ * it scores and its values while it sums them (both at once came to bursts that stalled it by up to 20 % at four
+ * sequences with heads of 128).
  * Compiled with -ffast-math (reassociated sums), hence no infinities below; subnormals are flushed only inside
  * the call (the caller's floating-point mode is restored).
  */
@@ -135,15 +137,19 @@ INLINE __m256 dots_quad(const float *const q[QUAD], const void *restrict ka, con
 }
 #endif
 
-/* Rows [from, to) of the next visit's span (nxt; NULL for none), this KV head's part (`off` bytes into each row),
- * asked for ahead of use, one cache line at a time; returns the rows asked for so far.  Spread over a visit's
- * work so the requests never queue up at once. */
-INLINE int prefetch_rows(const Span *nxt, int64_t off, const int dim, int from, int to, const int f16) {
+#define KEYS 1
+#define VALUES 2
+
+/* Rows [from, to) of the next visit's span (nxt; NULL for none), this KV head's part (`off` bytes into each row) of
+ * its keys and/or values (`sides`), asked for ahead of use, one cache line at a time; returns the rows asked for so
+ * far.  Spread over a visit's work so the requests never queue up at once. */
+INLINE int prefetch_rows(const Span *nxt, int64_t off, const int dim, int from, int to, const int f16,
+                         const int sides) {
     if (nxt)
         for (int t = from; t < to; t++)
             for (int d = 0; d < dim; d += (f16 ? 32 : 16)) { /* one 64-byte line */
-                __builtin_prefetch(AT(nxt->k[t] + off, d), 0, 3);
-                __builtin_prefetch(AT(nxt->v[t] + off, d), 0, 3);
+                if (sides & KEYS) __builtin_prefetch(AT(nxt->k[t] + off, d), 0, 3);
+                if (sides & VALUES) __builtin_prefetch(AT(nxt->v[t] + off, d), 0, 3);
             }
     return to > from ? to : from;
 }
@@ -185,7 +191,7 @@ INLINE void scores_narrow(float *restrict s, const float *const *q, int R, int g
     const int n = cur->n, pn = nxt ? nxt->n : 0, per = 8 / group, calls = (n + per - 1) / per;
     int fetched = 0;
     for (int t = 0, call = 0; t < n; t += per) {
-        fetched = prefetch_rows(nxt, off, dim, fetched, pn * ++call / calls, f16);
+        fetched = prefetch_rows(nxt, off, dim, fetched, pn * ++call / calls, f16, KEYS | VALUES);
         const char *k[8];
         for (int i = 0; i < per; i++) k[i] = cur->k[t + i < n ? t + i : n - 1];
         float v[8];
@@ -247,7 +253,7 @@ INLINE void scores_quads16(float *restrict s, const float *const *q, int R, cons
     float v[16] __attribute__((aligned(64)));
     for (int r = 0, call = 0; r < R; r += QUAD)
         for (int t = 0; t < n; t += 4) {
-            fetched = prefetch_rows(nxt, off, dim, fetched, pn * ++call / calls, f16);
+            fetched = prefetch_rows(nxt, off, dim, fetched, pn * ++call / calls, f16, KEYS); /* values in `values` */
             const char *k[4];
             for (int i = 0; i < 4; i++) k[i] = cur->k[t + i < n ? t + i : n - 1];
             _mm512_store_ps(v, dots_quad16(q + r, k, off, dim, f16));
@@ -279,7 +285,7 @@ INLINE void scores(float *restrict s, const float *const *q, int R, int group, c
         const int calls = (R / QUAD) * ((n + 1) / 2);
         for (int r = 0, call = 0; r < R; r += QUAD)
             for (int t = 0; t < n; t += 2) {
-                fetched = prefetch_rows(nxt, off, dim, fetched, pn * ++call / calls, f16);
+                fetched = prefetch_rows(nxt, off, dim, fetched, pn * ++call / calls, f16, KEYS | VALUES);
                 const int u = t + 1 < n ? t + 1 : t; /* an odd last token pairs with itself */
                 const __m256 v = dots_quad(q + r, cur->k[t] + off, cur->k[u] + off, dim, f16);
                 _mm_storeu_ps(s + t * R + r, _mm256_castps256_ps128(v));
@@ -289,7 +295,7 @@ INLINE void scores(float *restrict s, const float *const *q, int R, int group, c
     }
 #endif
     for (int t = 0; t < n; t++) {
-        fetched = prefetch_rows(nxt, off, dim, fetched, pn * (t + 1) / n, f16);
+        fetched = prefetch_rows(nxt, off, dim, fetched, pn * (t + 1) / n, f16, KEYS | VALUES);
         for (int r = 0; r < R; r++) {
             float dot = 0.0f;
             for (int d = 0; d < dim; d++) dot += q[r][d] * LD1(AT(cur->k[t] + off, d), f16);
@@ -387,9 +393,13 @@ INLINE void accumulate(float *restrict acc, const float *restrict c, const float
 #endif
 
 #ifdef SIMD16
-/* As accumulate over dims [d0, d0 + 16 CH) (CH <= 4) on 16-wide vectors: rows x CH independent FMA chains. */
+/* As accumulate over dims [d0, d0 + 16 CH) (CH <= 4) on 16-wide vectors: rows x CH independent FMA chains; the values
+ * of span `pf` (NULL for none) prefetched along the way. */
 INLINE void accumulate16(float *restrict acc, const float *restrict c, const float *restrict p, int R, const Span *sp,
-                         int64_t off, const int dim, int d0, const int CH, const int rows, const int f16) {
+                         int64_t off, const int dim, int d0, const int CH, const int rows, const int f16,
+                         const Span *pf) {
+    const int pn = pf ? pf->n : 0;
+    int fetched = 0;
     __m512 a[QUAD][4];
     for (int i = 0; i < rows; i++) {
         const __m512 k = _mm512_set1_ps(c[i]);
@@ -397,6 +407,7 @@ INLINE void accumulate16(float *restrict acc, const float *restrict c, const flo
     }
     for (int t = 0; t < sp->n; t++) {
         const char *vt = sp->v[t] + off;
+        fetched = prefetch_rows(pf, off, dim, fetched, pn * (t + 1) / sp->n, f16, VALUES);
         __m512 v[4];
         for (int j = 0; j < CH; j++) {
             v[j] = load16(AT(vt, d0 + 16 * j), f16);
@@ -411,23 +422,27 @@ INLINE void accumulate16(float *restrict acc, const float *restrict c, const flo
         for (int j = 0; j < CH; j++) _mm512_storeu_ps(acc + i * dim + d0 + 16 * j, a[i][j]);
 }
 
-/* accumulate16 over all `dim` dims (a multiple of 16), 64 at a time. */
+/* accumulate16 over all `dim` dims (a multiple of 16), 64 at a time, prefetching pf's values in the first pass. */
 INLINE void accumulate_all16(float *restrict acc, const float *restrict c, const float *restrict p, int R,
-                             const Span *sp, int64_t off, const int dim, const int rows, const int f16) {
+                             const Span *sp, int64_t off, const int dim, const int rows, const int f16,
+                             const Span *pf) {
     int d = 0;
-    for (; d + 64 <= dim; d += 64) accumulate16(acc, c, p, R, sp, off, dim, d, 4, rows, f16);
-    for (; d < dim; d += 16) accumulate16(acc, c, p, R, sp, off, dim, d, 1, rows, f16);
+    for (; d + 64 <= dim; d += 64, pf = NULL) accumulate16(acc, c, p, R, sp, off, dim, d, 4, rows, f16, pf);
+    for (; d < dim; d += 16, pf = NULL) accumulate16(acc, c, p, R, sp, off, dim, d, 1, rows, f16, pf);
 }
 #endif
 
 /* acc[g] = c[g] acc[g] + sum_t p[t][g] v_t for the `group` query heads of one KV head. */
 INLINE void values(float *restrict acc, const float *restrict c, const float *restrict p, int R, int group,
-                   const Span *sp, int64_t off, const int dim, const int f16) {
+                   const Span *sp, int64_t off, const Span *nxt, const int dim, const int f16) {
     int g = 0;
+    (void)nxt;
 #ifdef SIMD16
     if (dim % 16 == 0) {
-        for (; g + QUAD <= group; g += QUAD) accumulate_all16(acc + g * dim, c + g, p + g, R, sp, off, dim, QUAD, f16);
-        for (; g < group; g++) accumulate_all16(acc + g * dim, c + g, p + g, R, sp, off, dim, 1, f16);
+        if (group < 3) nxt = NULL; /* the narrow score path prefetched the values with the keys */
+        for (; g + QUAD <= group; g += QUAD, nxt = NULL)
+            accumulate_all16(acc + g * dim, c + g, p + g, R, sp, off, dim, QUAD, f16, nxt);
+        for (; g < group; g++, nxt = NULL) accumulate_all16(acc + g * dim, c + g, p + g, R, sp, off, dim, 1, f16, nxt);
     }
 #endif
 #ifdef SIMD8
@@ -464,7 +479,7 @@ INLINE void attend_span(const float *restrict q, const Span *cur, const Span *nx
         scores(s, rows, R, group, cur, off, nxt, dim, f16);
         softmax(s, R, cur->n, sh.scale, mh, lh, c);
         for (int r = 0; r < group; r++) m[first + r] = mh[r], l[first + r] = lh[r];
-        values(acc + (int64_t)first * dim, c, s, R, group, cur, off, dim, f16);
+        values(acc + (int64_t)first * dim, c, s, R, group, cur, off, nxt, dim, f16);
     }
 }
 
