@@ -203,12 +203,6 @@ INLINE void scores_narrow(float *restrict s, const float *const *q, int R, int g
 #endif
 
 #ifdef SIMD16
-/* 16 cache elements from p as floats (fp16 when `f16`, else fp32). */
-INLINE __m512 load16(const void *p, const int f16) {
-    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_loadu_ps((const float *)p);
-}
-
 /* Lane i of the result is the sum of a[i]'s 16 lanes: pairs of vectors interleaved and added by 32-bit elements,
  * then by 64-bit pairs (each 128-bit lane then holds four partial sums), then across 128-bit lanes. */
 INLINE __m512 sum_lanes16(const __m512 a[16]) {

@@ -52,12 +52,6 @@ int paged_prefill_supports(int heads, int kv_heads, int dim, int block_size) {
 /* Element i from p (fp16 when `f16`, else fp32). */
 #define AT(p, i) ((const void *)((const char *)(p) + (int64_t)(i) * (f16 ? 2 : 4)))
 
-/* 16 cache elements from p as floats (fp16 when `f16`, else fp32). */
-INLINE __m512 load16(const void *p, const int f16) {
-    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_loadu_ps((const float *)p);
-}
-
 /* One row of `dim` cache elements as dim/2 bf16 pairs (uint32 each: element 2j low, 2j + 1 high). */
 INLINE void row_bf16(uint32_t *restrict dst, const void *restrict src, const int dim, const int f16) {
     int d = 0;

@@ -1,5 +1,6 @@
 /* What the CPU attention kernels share below the level of attention: the forced-inline marker, the polynomial of
- * their e^x (any vector width), and on AVX2 + FMA the 8-wide cache load and e^x of non-positive arguments.
+ * their e^x (any vector width), on AVX2 + FMA the 8-wide cache load and e^x of non-positive arguments, and on AVX-512
+ * the 16-wide cache load.
  */
 #ifndef AGENTSERVE_SIMD_MATH_H
 #define AGENTSERVE_SIMD_MATH_H
@@ -37,6 +38,16 @@ INLINE __m256 exp_neg8(__m256 x) {
     const __m256 p = EXP2_FRACTION(_mm256_fmadd_ps, _mm256_set1_ps, f);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 cache elements from p as floats: fp16 when `f16` (a constant at every call), else fp32. */
+INLINE __m512 load16(const void *p, const int f16) {
+    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_loadu_ps((const float *)p);
 }
 #endif
 
