@@ -15,14 +15,16 @@
  * [key pairs][dim] with the two keys of a pair interleaved, so that one instruction adds two keys' weighted
  * values to 16 dims.  The query rows (every query head of the KV head's group, for each token) are then
  * walked R at a time over tiles of 32 keys with an online softmax (FlashAttention's running maximum m,
- * normaliser l and accumulator o, kept in registers for the whole walk):
- *   m' = max(m, max_t s_t);  l' = l e^(m - m') + sum_t e^(s_t - m');  o' = o e^(m - m') + sum_t e^(s_t - m') v_t
- * with the weights e^(s_t - m') rounded to bf16 for the product.  Work is split over OpenMP threads by
+ * normaliser l and accumulator o, kept in registers for the whole walk where they fit):
+ *   l' = l e^(m - m') + sum_t e^(s_t - m');  o' = o e^(m - m') + sum_t e^(s_t - m') v_t
+ * with the weights e^(s_t - m') rounded to bf16 for the product, and m' = max_t s_t only where that exceeds m by a
+ * margin, else m' = m (walk_rows).  Work is split over OpenMP threads by
  * (KV head, range of rows), several ranges per thread taken in turn (a later row attends more keys); a row's
  * result never depends on `threads` or on the other rows.
  * Compiled with -ffast-math; subnormals are flushed only inside the call.
  */
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -143,83 +145,101 @@ INLINE void pack_values(uint32_t *restrict vp, const void *v_cache, const int64_
     }
 }
 
-/* e^x for x <= 0 (lanes of -inf or far below give 0 or a negligible positive): 2^n * 2^f (simd_math.h; its
- * error far below the bf16 rounding the weights get next). */
-INLINE __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    return _mm512_scalef_ps(EXP2_FRACTION(_mm512_fmadd_ps, _mm512_set1_ps, f), n);
+/* 2^x for x <= 0 (lanes far below give 0; lanes the walk masks may be anything, it zeroes them): 2^n * 2^f with
+ * n = round(x) (simd_math.h; its error far below the bf16 rounding the weights get next). */
+INLINE __m512 exp2_neg(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_ps(EXP2_FRACTION(_mm512_fmadd_ps, _mm512_set1_ps, _mm512_sub_ps(x, n)), n);
 }
 
 /* R query rows (row r: qp + r * QP_STRIDE, dim/2 bf16 pairs, attending keys 0 .. last[r]) over the packed keys kp and
- * values vp; writes the R rows of output to dst[r]. */
+ * values vp; writes the R rows of output to dst[r].
+ *
+ * Scores: each row's 32 scores of a tile are summed in four chains (two per 16 keys, even and odd pairs apart), so
+ * that 4R products are in flight, enough to keep both dot-product pipes busy (eight chains left them ~2/3 used).
+ * Softmax in base 2: w = 2^((s - m) c) with c = scale * log2(e).  The running maximum m moves only when a tile's
+ * score exceeds it by more than RESCALE_AFTER / c (then to that tile's maximum, rescaling o and l); below that the
+ * weights are up to 2^RESCALE_AFTER, which neither fp32 sums nor bf16 weights mind, and o / l is the same.  So a
+ * tile needs one vector max and compare per row, not a horizontal maximum; l is summed lane-wise and reduced once. */
+#define RESCALE_AFTER 8.0f
+#define CHAINS 2 /* score chains per row and 16 keys (dim / 2 is a multiple of it): 4 R products in flight */
 INLINE void walk_rows(const uint32_t *restrict qp, const int64_t *last, const uint32_t *restrict kp,
                       const uint32_t *restrict vp, float *const *dst, float scale, const int dim, const int R) {
-    __m512 o[4][8]; /* R * dim / 16 <= 16 accumulators */
-    float m[4], l[4];
+    __m512 o[4][8], l[4]; /* R * dim / 16 accumulators: past 16 some stay in L1, still faster than R = 2 */
+    float m[4];
     int64_t most = 0, least = INT64_MAX;
+    const float c = scale * 1.44269504f, slack = RESCALE_AFTER / c;
+    const __m512 cv = _mm512_set1_ps(c);
     for (int r = 0; r < R; r++) {
-        for (int c = 0; c < dim / 16; c++) o[r][c] = _mm512_setzero_ps();
-        m[r] = -FLT_MAX, l[r] = 0.0f;
+        for (int j = 0; j < dim / 16; j++) o[r][j] = _mm512_setzero_ps();
+        l[r] = _mm512_setzero_ps();
+        m[r] = -FLT_MAX;
         most = last[r] > most ? last[r] : most;
         least = last[r] < least ? last[r] : least;
     }
     uint32_t w[4][TILE / 2] __attribute__((aligned(64))); /* the tile's weights as bf16 pairs, per row */
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
     for (int64_t t0 = 0; t0 <= most; t0 += TILE) {
-        __m512 s[4][2];
-        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+        __m512 s[4][2][CHAINS]; /* per row and 16 keys, CHAINS sums of every CHAINS-th pair */
+        for (int r = 0; r < R; r++)
+            for (int e = 0; e < CHAINS; e++) s[r][0][e] = s[r][1][e] = _mm512_setzero_ps();
         const uint32_t *k0 = kp + t0 * (dim / 2), *k1 = k0 + 16 * (dim / 2);
 #pragma GCC unroll 8
-        for (int p = 0; p < dim / 2; p++) {
-            const __m512bh a = (__m512bh)_mm512_load_si512(k0 + p * 16), b = (__m512bh)_mm512_load_si512(k1 + p * 16);
-            for (int r = 0; r < R; r++) {
-                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)qp[r * QP_STRIDE + p]);
-                s[r][0] = _mm512_dpbf16_ps(s[r][0], x, a);
-                s[r][1] = _mm512_dpbf16_ps(s[r][1], x, b);
+        for (int p = 0; p < dim / 2; p += CHAINS) {
+            for (int e = 0; e < CHAINS; e++) {
+                const __m512bh a = (__m512bh)_mm512_load_si512(k0 + (p + e) * 16);
+                const __m512bh b = (__m512bh)_mm512_load_si512(k1 + (p + e) * 16);
+                for (int r = 0; r < R; r++) {
+                    const __m512bh x = (__m512bh)_mm512_set1_epi32((int)qp[r * QP_STRIDE + p + e]);
+                    s[r][0][e] = _mm512_dpbf16_ps(s[r][0][e], x, a);
+                    s[r][1][e] = _mm512_dpbf16_ps(s[r][1][e], x, b);
+                }
             }
         }
+        for (int r = 0; r < R; r++)
+            for (int e = 1; e < CHAINS; e++) s[r][0][0] = _mm512_add_ps(s[r][0][0], s[r][0][e]),
+                                        s[r][1][0] = _mm512_add_ps(s[r][1][0], s[r][1][e]);
         const int masked = t0 + TILE - 1 > least;
         for (int r = 0; r < R; r++) {
+            __m512 x0 = s[r][0][0], x1 = s[r][1][0];
             __mmask16 v0 = 0xFFFF, v1 = 0xFFFF;
             if (masked) {
                 const __m512i limit = _mm512_set1_epi32((int)(last[r] - t0 < TILE ? last[r] - t0 : TILE));
                 v0 = _mm512_cmple_epi32_mask(lane, limit);
                 v1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit);
+                x0 = _mm512_mask_mov_ps(lowest, v0, x0);
+                x1 = _mm512_mask_mov_ps(lowest, v1, x1);
             }
-            const __m512 x0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));
-            const __m512 x1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));
-            const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
-            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(lowest, v0, x0),
-                                                                 _mm512_mask_mov_ps(lowest, v1, x1)));
-            const float mx = top > m[r] ? top : m[r];
-            const __m512 mv = _mm512_set1_ps(mx);
-            const __m512 p0 = _mm512_maskz_mov_ps(v0, exp_neg(_mm512_sub_ps(x0, mv)));
-            const __m512 p1 = _mm512_maskz_mov_ps(v1, exp_neg(_mm512_sub_ps(x1, mv)));
-            if (mx > m[r]) {
-                const __m512 c = exp_neg(_mm512_set1_ps(m[r] - mx));
-                l[r] *= _mm512_cvtss_f32(c);
-                for (int j = 0; j < dim / 16; j++) o[r][j] = _mm512_mul_ps(o[r][j], c);
+            const __m512 top = _mm512_max_ps(x0, x1);
+            if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(m[r] + slack), _CMP_GT_OQ)) {
+                const float mx = _mm512_reduce_max_ps(top);
+                const float drop = fmaxf((m[r] - mx) * c, -200.0f); /* the first time m is -FLT_MAX */
+                const __m512 shrink = exp2_neg(_mm512_set1_ps(drop));
+                for (int j = 0; j < dim / 16; j++) o[r][j] = _mm512_mul_ps(o[r][j], shrink);
+                l[r] = _mm512_mul_ps(l[r], shrink);
                 m[r] = mx;
             }
-            l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            const __m512 mc = _mm512_set1_ps(m[r] * c);
+            __m512 p0 = exp2_neg(_mm512_fmsub_ps(x0, cv, mc)), p1 = exp2_neg(_mm512_fmsub_ps(x1, cv, mc));
+            if (masked) /* their scores are -FLT_MAX: weights of 0, or NaN where c > 1 makes them -inf */
+                p0 = _mm512_maskz_mov_ps(v0, p0), p1 = _mm512_maskz_mov_ps(v1, p1);
+            l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
             _mm512_store_si512(w[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
         const uint32_t *v = vp + (t0 / 2) * dim;
 #pragma GCC unroll 4
         for (int j = 0; j < TILE / 2; j++) {
-            for (int c = 0; c < dim / 16; c++) {
-                const __m512bh y = (__m512bh)_mm512_load_si512(v + j * dim + c * 16);
+            for (int c16 = 0; c16 < dim / 16; c16++) {
+                const __m512bh y = (__m512bh)_mm512_load_si512(v + j * dim + c16 * 16);
                 for (int r = 0; r < R; r++)
-                    o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)_mm512_set1_epi32((int)w[r][j]), y);
+                    o[r][c16] = _mm512_dpbf16_ps(o[r][c16], (__m512bh)_mm512_set1_epi32((int)w[r][j]), y);
             }
         }
     }
     for (int r = 0; r < R; r++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-        for (int c = 0; c < dim / 16; c++) _mm512_storeu_ps(dst[r] + c * 16, _mm512_mul_ps(o[r][c], inv));
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[r]));
+        for (int j = 0; j < dim / 16; j++) _mm512_storeu_ps(dst[r] + j * 16, _mm512_mul_ps(o[r][j], inv));
     }
 }
 
@@ -250,7 +270,7 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
     const int checked = prefill_check_chunk(table, width, num_blocks, start, n, block_size);
     if (checked != 0) return checked;
     const int64_t nk = start + n;
-    const int group = heads / kv_heads, R = dim <= 64 ? 4 : 2; /* R * dim / 16 accumulators <= 16 */
+    const int group = heads / kv_heads, R = 4; /* rows a walk takes at once (2 measured slower at any dim) */
     const int64_t padded = (nk + TILE - 1) / TILE * TILE, per_head = padded * dim / 2; /* uint32 per head */
     uint32_t *kp = prefill_scratch(2 * sizeof(uint32_t) * per_head * kv_heads); /* keys, then values */
     if (kp == NULL) return -3;
@@ -275,11 +295,9 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
                 if (dim == 64) /* the common sizes as constants: their loops unroll into whole vectors */
                     attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, 64, 4);
                 else if (dim == 128)
-                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, 128, 2);
-                else if (dim <= 64)
-                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, dim, 4);
+                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, 128, 4);
                 else
-                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, dim, 2);
+                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, dim, 4);
             }
         _mm_setcsr(csr);
     }

@@ -112,6 +112,23 @@ def test_the_kernel_matches_float64_attention_on_its_bf16_inputs(kernel, kv_head
     assert ((got.double() - want).norm() / want.norm()).item() < WEIGHTS_TOL
 
 
+@pytest.mark.parametrize("dim", [64, 80, 128])  # the walks specialised for 64 and 128, and the general one
+@pytest.mark.parametrize("climb", [0.2, -0.2])
+def test_scores_that_climb_or_fall_along_the_keys_by_hundreds(kernel, dim, climb):
+    """Every key leans along one direction by ``climb`` * its position, and so do the queries: a row's scores drift
+    by hundreds across its keys (up: the walk's running maximum moves many times, far past the margin it lets the
+    weights grow by; down: the first keys dominate and later weights vanish).  Still float64 attention."""
+    k_cache, v_cache, table = random_case(2, 4, dim, 16, 300, F32, 11)
+    g = torch.Generator().manual_seed(12)
+    u = torch.nn.functional.normalize(torch.randn(dim, generator=g), dim=0)
+    slots = (table[:, None] * 16 + torch.arange(16)).flatten()[:300]  # token t's slot in the flattened cache
+    k_cache.view(-1, 2, dim)[slots] += (climb * torch.arange(300.0))[:, None, None] * u * dim**0.5
+    q = torch.randn(60, 8, dim, generator=g) + 2 * u
+    got = kernel(q, k_cache, v_cache, table, 240, dim**-0.5, 2)
+    want = reference(q, k_cache, v_cache, table, 240, dim**-0.5)
+    assert ((got.double() - want).norm() / want.norm()).item() < WEIGHTS_TOL
+
+
 @settings(max_examples=60, deadline=None)
 @given(kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4, 5]),
        dim=st.sampled_from([8, 16, 24, 40, 64, 72, 96, 128]), block_size=st.sampled_from([1, 5, 16, 64]),
