@@ -117,7 +117,8 @@ def test_the_kernel_matches_float64_attention_on_its_bf16_inputs(kernel, kv_head
 def test_scores_that_climb_or_fall_along_the_keys_by_hundreds(kernel, dim, climb):
     """Every key leans along one direction by ``climb`` * its position, and so do the queries: a row's scores drift
     by hundreds across its keys (up: the walk's running maximum moves many times, far past the margin it lets the
-    weights grow by; down: the first keys dominate and later weights vanish).  Still float64 attention."""
+    weights grow by; down: the first keys dominate and later weights vanish): the kernel still matches float64
+    attention."""
     k_cache, v_cache, table = random_case(2, 4, dim, 16, 300, F32, 11)
     g = torch.Generator().manual_seed(12)
     u = torch.nn.functional.normalize(torch.randn(dim, generator=g), dim=0)
