@@ -258,8 +258,9 @@ INLINE void scores_quads16(float *restrict s, const float *const *q, int R, cons
 
 /* Scores s[t][r] (R per token, a multiple of QUAD) of the span's tokens for one KV head's query heads q[r] (its
  * part of each row `off` bytes in; rows from `group` on are padding); the next visit's rows of this head
- * prefetched along the way.  A group of one or two heads leaves its padded rows as they are. */
-INLINE void scores(float *restrict s, const float *const *q, int R, int group, const Span *cur, int64_t off,
+ * prefetched along the way.  A group of one or two heads leaves its padded rows as they are.  Returns the sides of
+ * the next visit's rows left for `values` to prefetch (VALUES where the walk scored on 16-wide vectors, else 0). */
+INLINE int scores(float *restrict s, const float *const *q, int R, int group, const Span *cur, int64_t off,
                    const Span *nxt, const int dim, const int f16) {
     const int n = cur->n, pn = nxt ? nxt->n : 0;
     int fetched = 0;
@@ -267,12 +268,12 @@ INLINE void scores(float *restrict s, const float *const *q, int R, int group, c
 #ifdef SIMD8
     if (dim % 8 == 0 && group < 3) {
         scores_narrow(s, q, R, group, cur, off, nxt, dim, f16);
-        return;
+        return 0;
     }
 #ifdef SIMD16
     if (dim % 16 == 0) {
         scores_quads16(s, q, R, cur, off, nxt, dim, f16);
-        return;
+        return VALUES;
     }
 #endif
     if (dim % 8 == 0) {
@@ -285,7 +286,7 @@ INLINE void scores(float *restrict s, const float *const *q, int R, int group, c
                 _mm_storeu_ps(s + t * R + r, _mm256_castps256_ps128(v));
                 if (u != t) _mm_storeu_ps(s + u * R + r, _mm256_extractf128_ps(v, 1));
             }
-        return;
+        return 0;
     }
 #endif
     for (int t = 0; t < n; t++) {
@@ -296,6 +297,7 @@ INLINE void scores(float *restrict s, const float *const *q, int R, int group, c
             s[t * R + r] = dot;
         }
     }
+    return 0;
 }
 
 #ifdef SIMD8
@@ -426,20 +428,19 @@ INLINE void accumulate_all16(float *restrict acc, const float *restrict c, const
 }
 #endif
 
-/* acc[g] = c[g] acc[g] + sum_t p[t][g] v_t for the `group` query heads of one KV head. */
+/* acc[g] = c[g] acc[g] + sum_t p[t][g] v_t for the `group` query heads of one KV head; span pf's values (this head's
+ * part; pf NULL for none) prefetched along the way. */
 INLINE void values(float *restrict acc, const float *restrict c, const float *restrict p, int R, int group,
-                   const Span *sp, int64_t off, const Span *nxt, const int dim, const int f16) {
+                   const Span *sp, int64_t off, const Span *pf, const int dim, const int f16) {
     int g = 0;
-    (void)nxt;
+    (void)pf; /* only the 16-wide sums prefetch */
 #ifdef SIMD16
     if (dim % 16 == 0) {
-        if (group < 3) nxt = NULL; /* the narrow score path prefetched the values with the keys */
-        for (; g + QUAD <= group; g += QUAD, nxt = NULL)
-            accumulate_all16(acc + g * dim, c + g, p + g, R, sp, off, dim, QUAD, f16, nxt);
-        for (; g < group; g++, nxt = NULL) accumulate_all16(acc + g * dim, c + g, p + g, R, sp, off, dim, 1, f16, nxt);
+        for (; g + QUAD <= group; g += QUAD, pf = NULL)
+            accumulate_all16(acc + g * dim, c + g, p + g, R, sp, off, dim, QUAD, f16, pf);
+        for (; g < group; g++, pf = NULL) accumulate_all16(acc + g * dim, c + g, p + g, R, sp, off, dim, 1, f16, pf);
     }
-#endif
-#ifdef SIMD8
+#elif defined(SIMD8)
     if (dim % 16 == 0) {
         for (; g + QUAD <= group; g += QUAD) accumulate(acc + g * dim, c + g, p + g, R, sp, off, dim, QUAD, f16);
         for (; g < group; g++) accumulate(acc + g * dim, c + g, p + g, R, sp, off, dim, 1, f16);
@@ -470,10 +471,10 @@ INLINE void attend_span(const float *restrict q, const Span *cur, const Span *nx
             lh[r] = r < group ? l[first + r] : 0.0f;
         }
         const int64_t off = (int64_t)h * dim * (f16 ? 2 : 4);
-        scores(s, rows, R, group, cur, off, nxt, dim, f16);
+        const int left = scores(s, rows, R, group, cur, off, nxt, dim, f16);
         softmax(s, R, cur->n, sh.scale, mh, lh, c);
         for (int r = 0; r < group; r++) m[first + r] = mh[r], l[first + r] = lh[r];
-        values(acc + (int64_t)first * dim, c, s, R, group, cur, off, nxt, dim, f16);
+        values(acc + (int64_t)first * dim, c, s, R, group, cur, off, left & VALUES ? nxt : NULL, dim, f16);
     }
 }
 

@@ -14,7 +14,7 @@
  * [dim/2 pairs][16 keys] so that one instruction gives 16 keys' partial scores over two dims; values as
  * [key pairs][dim] with the two keys of a pair interleaved, so that one instruction adds two keys' weighted
  * values to 16 dims.  The query rows (every query head of the KV head's group, for each token) are then
- * walked R at a time over tiles of 32 keys with an online softmax (FlashAttention's running maximum m,
+ * walked ROWS at a time over tiles of 32 keys with an online softmax (FlashAttention's running maximum m,
  * normaliser l and accumulator o, kept in registers for the whole walk where they fit):
  *   l' = l e^(m - m') + sum_t e^(s_t - m');  o' = o e^(m - m') + sum_t e^(s_t - m') v_t
  * with the weights e^(s_t - m') rounded to bf16 for the product, and m' = max_t s_t only where that exceeds m by a
@@ -39,6 +39,7 @@
 #endif
 
 #define TILE 32 /* keys per step of the walk: two vectors of 16 scores */
+#define ROWS 4  /* query rows a walk takes at once (two measured slower at every head size) */
 #define QP_STRIDE 64 /* uint32 (bf16 pairs) per packed query row: dim <= 128 */
 
 /* 1 when this build has the bf16 dot-product kernel (the CPU has AVX512-BF16), else 0. */
@@ -152,37 +153,37 @@ INLINE __m512 exp2_neg(__m512 x) {
     return _mm512_scalef_ps(EXP2_FRACTION(_mm512_fmadd_ps, _mm512_set1_ps, _mm512_sub_ps(x, n)), n);
 }
 
-/* R query rows (row r: qp + r * QP_STRIDE, dim/2 bf16 pairs, attending keys 0 .. last[r]) over the packed keys kp and
- * values vp; writes the R rows of output to dst[r].
+/* ROWS query rows (row r: qp + r * QP_STRIDE, dim/2 bf16 pairs, attending keys 0 .. last[r]) over the packed keys kp
+ * and values vp; writes the rows of output to dst[r].
  *
  * Scores: each row's 32 scores of a tile are summed in four chains (two per 16 keys, even and odd pairs apart), so
- * that 4R products are in flight, enough to keep both dot-product pipes busy (eight chains left them ~2/3 used).
+ * that 4 ROWS products are in flight, enough to keep both dot-product pipes busy (eight chains left them ~2/3 used).
  * Softmax in base 2: w = 2^((s - m) c) with c = scale * log2(e).  The running maximum m moves only when a tile's
  * score exceeds it by more than RESCALE_AFTER / c (then to that tile's maximum, rescaling o and l); below that the
  * weights are up to 2^RESCALE_AFTER, which neither fp32 sums nor bf16 weights mind, and o / l is the same.  So a
  * tile needs one vector max and compare per row, not a horizontal maximum; l is summed lane-wise and reduced once. */
 #define RESCALE_AFTER 8.0f
-#define CHAINS 2 /* score chains per row and 16 keys (dim / 2 is a multiple of it): 4 R products in flight */
+#define CHAINS 2 /* score chains per row and 16 keys (dim / 2 is a multiple of it): 4 ROWS products in flight */
 INLINE void walk_rows(const uint32_t *restrict qp, const int64_t *last, const uint32_t *restrict kp,
-                      const uint32_t *restrict vp, float *const *dst, float scale, const int dim, const int R) {
-    __m512 o[4][8], l[4]; /* R * dim / 16 accumulators: past 16 some stay in L1, still faster than R = 2 */
-    float m[4];
+                      const uint32_t *restrict vp, float *const *dst, float scale, const int dim) {
+    __m512 o[ROWS][8], l[ROWS]; /* ROWS * dim / 16 accumulators: past 16 some stay in L1 */
+    float m[ROWS];
     int64_t most = 0, least = INT64_MAX;
     const float c = scale * 1.44269504f, slack = RESCALE_AFTER / c;
     const __m512 cv = _mm512_set1_ps(c);
-    for (int r = 0; r < R; r++) {
+    for (int r = 0; r < ROWS; r++) {
         for (int j = 0; j < dim / 16; j++) o[r][j] = _mm512_setzero_ps();
         l[r] = _mm512_setzero_ps();
         m[r] = -FLT_MAX;
         most = last[r] > most ? last[r] : most;
         least = last[r] < least ? last[r] : least;
     }
-    uint32_t w[4][TILE / 2] __attribute__((aligned(64))); /* the tile's weights as bf16 pairs, per row */
+    uint32_t w[ROWS][TILE / 2] __attribute__((aligned(64))); /* the tile's weights as bf16 pairs, per row */
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
     for (int64_t t0 = 0; t0 <= most; t0 += TILE) {
-        __m512 s[4][2][CHAINS]; /* per row and 16 keys, CHAINS sums of every CHAINS-th pair */
-        for (int r = 0; r < R; r++)
+        __m512 s[ROWS][2][CHAINS]; /* per row and 16 keys, CHAINS sums of every CHAINS-th pair */
+        for (int r = 0; r < ROWS; r++)
             for (int e = 0; e < CHAINS; e++) s[r][0][e] = s[r][1][e] = _mm512_setzero_ps();
         const uint32_t *k0 = kp + t0 * (dim / 2), *k1 = k0 + 16 * (dim / 2);
 #pragma GCC unroll 8
@@ -190,18 +191,18 @@ INLINE void walk_rows(const uint32_t *restrict qp, const int64_t *last, const ui
             for (int e = 0; e < CHAINS; e++) {
                 const __m512bh a = (__m512bh)_mm512_load_si512(k0 + (p + e) * 16);
                 const __m512bh b = (__m512bh)_mm512_load_si512(k1 + (p + e) * 16);
-                for (int r = 0; r < R; r++) {
+                for (int r = 0; r < ROWS; r++) {
                     const __m512bh x = (__m512bh)_mm512_set1_epi32((int)qp[r * QP_STRIDE + p + e]);
                     s[r][0][e] = _mm512_dpbf16_ps(s[r][0][e], x, a);
                     s[r][1][e] = _mm512_dpbf16_ps(s[r][1][e], x, b);
                 }
             }
         }
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < ROWS; r++)
             for (int e = 1; e < CHAINS; e++) s[r][0][0] = _mm512_add_ps(s[r][0][0], s[r][0][e]),
                                         s[r][1][0] = _mm512_add_ps(s[r][1][0], s[r][1][e]);
         const int masked = t0 + TILE - 1 > least;
-        for (int r = 0; r < R; r++) {
+        for (int r = 0; r < ROWS; r++) {
             __m512 x0 = s[r][0][0], x1 = s[r][1][0];
             __mmask16 v0 = 0xFFFF, v1 = 0xFFFF;
             if (masked) {
@@ -232,34 +233,34 @@ INLINE void walk_rows(const uint32_t *restrict qp, const int64_t *last, const ui
         for (int j = 0; j < TILE / 2; j++) {
             for (int c16 = 0; c16 < dim / 16; c16++) {
                 const __m512bh y = (__m512bh)_mm512_load_si512(v + j * dim + c16 * 16);
-                for (int r = 0; r < R; r++)
+                for (int r = 0; r < ROWS; r++)
                     o[r][c16] = _mm512_dpbf16_ps(o[r][c16], (__m512bh)_mm512_set1_epi32((int)w[r][j]), y);
             }
         }
     }
-    for (int r = 0; r < R; r++) {
+    for (int r = 0; r < ROWS; r++) {
         const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[r]));
         for (int j = 0; j < dim / 16; j++) _mm512_storeu_ps(dst[r] + j * 16, _mm512_mul_ps(o[r][j], inv));
     }
 }
 
-/* Every row of KV head h (rows ordered token by token, the group's query heads within a token), R at a time
- * from row r0 to r1; the last block of rows repeats its last row to fill R (its copies are not written). */
+/* Every row of KV head h (rows ordered token by token, the group's query heads within a token), ROWS at a time
+ * from row r0 to r1; the last block of rows repeats its last row to fill ROWS (its copies are not written). */
 INLINE void attend_rows(const float *q, float *out, const uint32_t *kp, const uint32_t *vp, int64_t start, int heads,
-                        int group, int h, int64_t r0, int64_t r1, float scale, const int dim, const int R) {
-    uint32_t qp[4][QP_STRIDE] __attribute__((aligned(64)));
+                        int group, int h, int64_t r0, int64_t r1, float scale, const int dim) {
+    uint32_t qp[ROWS][QP_STRIDE] __attribute__((aligned(64)));
     float scratch[128] __attribute__((aligned(64)));
-    for (int64_t r = r0; r < r1; r += R) {
-        int64_t last[4];
-        float *dst[4];
-        for (int i = 0; i < R; i++) {
+    for (int64_t r = r0; r < r1; r += ROWS) {
+        int64_t last[ROWS];
+        float *dst[ROWS];
+        for (int i = 0; i < ROWS; i++) {
             const int64_t row = r + i < r1 ? r + i : r1 - 1, token = row / group;
             const int64_t at = (token * heads + h * group + row % group) * dim;
             row_bf16(qp[i], q + at, dim, 0);
             last[i] = start + token;
             dst[i] = r + i < r1 ? out + at : scratch;
         }
-        walk_rows(qp[0], last, kp, vp, dst, scale, dim, R);
+        walk_rows(qp[0], last, kp, vp, dst, scale, dim);
     }
 }
 
@@ -270,12 +271,12 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
     const int checked = prefill_check_chunk(table, width, num_blocks, start, n, block_size);
     if (checked != 0) return checked;
     const int64_t nk = start + n;
-    const int group = heads / kv_heads, R = 4; /* rows a walk takes at once (2 measured slower at any dim) */
+    const int group = heads / kv_heads;
     const int64_t padded = (nk + TILE - 1) / TILE * TILE, per_head = padded * dim / 2; /* uint32 per head */
     uint32_t *kp = prefill_scratch(2 * sizeof(uint32_t) * per_head * kv_heads); /* keys, then values */
     if (kp == NULL) return -3;
     uint32_t *vp = kp + per_head * kv_heads;
-    const int64_t rows = (int64_t)n * group, blocks = (rows + R - 1) / R;
+    const int64_t rows = (int64_t)n * group, blocks = (rows + ROWS - 1) / ROWS;
     const int64_t parts = prefill_parts(blocks, threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -289,15 +290,15 @@ INLINE int paged_prefill(const float *q, const void *k_cache, const void *v_cach
 #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int h = 0; h < kv_heads; h++)
             for (int64_t part = 0; part < parts; part++) {
-                const int64_t r0 = blocks * part / parts * R, r1 = blocks * (part + 1) / parts * R;
+                const int64_t r0 = blocks * part / parts * ROWS, r1 = blocks * (part + 1) / parts * ROWS;
                 const int64_t end = r1 < rows ? r1 : rows;
                 const uint32_t *hk = kp + h * per_head, *hv = vp + h * per_head;
                 if (dim == 64) /* the common sizes as constants: their loops unroll into whole vectors */
-                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, 64, 4);
+                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, 64);
                 else if (dim == 128)
-                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, 128, 4);
+                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, 128);
                 else
-                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, dim, 4);
+                    attend_rows(q, out, hk, hv, start, heads, group, h, r0, end, scale, dim);
             }
         _mm_setcsr(csr);
     }
