@@ -41,8 +41,8 @@ log = logging.getLogger("agentserve.up")
 
 def _executor_args(engine: dict[str, Any], partition: str | None) -> list[str]:
     args: list[str] = []
-    for key in ("dtype", "weights", "kv_cache_dtype", "attention_backend", "decode_step", "prefill_attention", "device",
-                "block_size"):
+    for key in ("dtype", "weights", "kv_cache_dtype", "attention_backend", "decode_step", "decode_helper",
+                "prefill_attention", "device", "block_size"):
         args += ["--" + key.replace("_", "-"), str(engine[key])]
     for key in ("num_blocks", "max_model_len"):  # 0 / unset: the executor derives them
         if engine.get(key):

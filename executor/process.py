@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentserve.executor.errors import EngineError
 from agentserve.executor.faults import DeviceFault, WarmUpFailed, is_sticky_cuda_error
+from agentserve.executor.fused.helper import DecodeHelper
 from agentserve.executor.grammar import GrammarMasks
 from agentserve.executor.lanes import LaneWorker, SeqReady
 from agentserve.executor.memory import keep_lanes_independent, shared_pool_selected
@@ -88,6 +89,7 @@ RUNNER_OPTIONS: tuple[tuple[str, type], ...] = (
     ("max_model_len", int),
     ("cuda_graphs", str),
     ("decode_step", str),
+    ("decode_helper", str),
     ("prefill_attention", str),
     ("memory_utilization", float),
     ("profile_tokens", int),
@@ -124,6 +126,7 @@ class Executor:
         self._send_lock = threading.Lock()
         top = len(backend.ladder) - 1
         self.lanes = {lane: LaneWorker(backend, lane, rung=top) for lane in Lane}
+        self.decode_helper: DecodeHelper | None = None  # started with the lanes (serve)
         self.written = SeqReady()  # the step that last wrote each sequence's KV
         self._last_end = dict.fromkeys(Lane, time.monotonic())
         self.fault: BaseException | None = None  # the sticky CUDA error that ends this executor
@@ -149,8 +152,8 @@ class Executor:
         label = f"{lane.name.lower()} rung {plan.rung} batch {len(plan.seqs)} tokens {num_tokens}"
         try:
             scope = self.backend.step_scope(binding, num_tokens, plan.hold_cores, plan.decode_idle)
-            with scope, timed_step(binding.stream, label) as clock:
-                seqs = self.step.run(plan)
+            with scope as helper, timed_step(binding.stream, label) as clock:
+                seqs = self.step.run(plan, helper)
         except Exception as e:  # noqa: BLE001 - a failed step is reported, the lane lives on
             self._last_end[lane] = time.monotonic()
             self._report_failure(plan, e)
@@ -249,6 +252,7 @@ class Executor:
             device=f"{device_description(self.backend.device, r.device)} {dtype}, {r.weight_format} matrices, "
                    f"{str(r.kv_dtype).removeprefix('torch.')} KV"
                    + (", fused decode step" if r.fused_decode is not None else "")
+                   + (f" with a helper on CPU(s) {list(self.decode_helper.cores)}" if self.decode_helper else "")
                    + (f", {r.prefill_attention} prefill attention" if r.prefill_attention else ""),
             model=model,
         )
@@ -256,6 +260,7 @@ class Executor:
     def serve(self, model: str) -> str:
         """Run until Shutdown or a dead peer; return why it stopped."""
         try:
+            self._start_decode_helper()
             for lane in self.lanes.values():
                 lane.start()
             self.warm()  # every (rung, lane) once, before graphs are captured on the warmed lanes
@@ -267,7 +272,17 @@ class Executor:
         finally:
             for lane in self.lanes.values():
                 lane.stop()
+            if self.decode_helper is not None:
+                log.info("decode helper: %s", self.decode_helper.counts())
+                self.decode_helper.close()
             self.runner.drop_graphs()  # before the partitions they run on are closed
+
+    def _start_decode_helper(self) -> None:
+        helper = self.runner.new_decode_helper()
+        if helper is not None and self.backend.attach_decode_helper(helper):
+            self.decode_helper = helper
+        elif helper is not None:
+            helper.close()
 
     def capture_graphs(self) -> None:
         """Capture each rung's decode graphs on that rung's decode lane; on any failure decode stays eager."""

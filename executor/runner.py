@@ -19,6 +19,7 @@ from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
 from agentserve.executor.attention.cpu_prefill import PagedPrefillKernel
 from agentserve.executor.checkpoint import ModelConfig, load_config, load_weights
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
+from agentserve.executor.fused.helper import DECODE_HELPER_SETTINGS, DecodeHelper
 from agentserve.executor.fused.step import MATRICES as FUSED_MATRICES
 from agentserve.executor.fused.step import FusedDecodeStep
 from agentserve.executor.fused.step import why_not as fused_why_not
@@ -151,6 +152,7 @@ class ModelRunner(RunnerGraphs):
         kv_cache_dtype: str = "auto",
         cuda_graphs: str = "auto",
         decode_step: str = "auto",
+        decode_helper: str = "auto",
         prefill_attention: str = "auto",
         memory_utilization: float = MEMORY_UTILIZATION,
         profile_tokens: int = PROFILE_TOKENS,
@@ -188,6 +190,9 @@ class ModelRunner(RunnerGraphs):
             self.dtype, self.kv_dtype, prefill_attention, "hybrid" in self.model.weight_formats,
         )
         self.fused_decode = self._fused_decode(decode_step)
+        if decode_helper not in DECODE_HELPER_SETTINGS:
+            raise EngineError(f"unknown decode_helper {decode_helper!r}; use {', '.join(DECODE_HELPER_SETTINGS)}")
+        self.decode_helper = decode_helper
         self.num_blocks = num_blocks or self._default_num_blocks(kv_cache_bytes)
         self.kv_cache = self._new_cache(self.num_blocks)
         if self.device.type == "cuda":  # compile the attention kernels now, not in the first request's step
@@ -223,6 +228,13 @@ class ModelRunner(RunnerGraphs):
         step = FusedDecodeStep(kernel, self.model, self.block_size)
         log.info("decode step: fused C (%.1f MiB of fp16 matrices added)", step.bytes_added / 2**20)
         return step
+
+    def new_decode_helper(self) -> DecodeHelper | None:
+        """A decode helper (:mod:`.fused.helper`, not started) for the fused step; ``None`` without the fused step or
+        with ``decode_helper = "off"``."""
+        if self.fused_decode is None or self.decode_helper == "off":
+            return None
+        return self.fused_decode.helper()
 
     def _new_cache(self, num_blocks: int) -> KVCache:
         c = self.config
@@ -357,11 +369,13 @@ class ModelRunner(RunnerGraphs):
         return self.model.logits(hidden[last.to(self.device)])
 
     @torch.inference_mode()
-    def decode(self, items: list[DecodeItem], rung: int | None = None) -> torch.Tensor:
+    def decode(self, items: list[DecodeItem], rung: int | None = None,
+               helper: DecodeHelper | None = None) -> torch.Tensor:
         """One token for each sequence; returns fp32 logits ``[len(items), vocab]``.
 
         With ``rung``, replays that rung's decode graph where one fits (its logits are overwritten by the
-        next replay: read them before the next step)."""
+        next replay: read them before the next step).  ``helper`` shares a fused one-thread step
+        (:mod:`.fused.helper`)."""
         if not items:
             raise InvalidRequestError("decode needs at least one item")
         bs = self.block_size
@@ -382,7 +396,7 @@ class ModelRunner(RunnerGraphs):
         if self.fused_decode is not None:
             meta = self.attention.plan(batch)
             hidden = self.fused_decode(ids, positions, meta.slots, meta.block_tables, meta.lens, self.kv_cache,
-                                       torch.get_num_threads())
+                                       torch.get_num_threads(), helper)
             return self.model.logits(hidden)
         return self.model.logits(self._forward(ids, positions, batch))
 

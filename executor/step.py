@@ -13,6 +13,7 @@ from collections.abc import Collection
 
 import torch
 
+from agentserve.executor.fused.helper import DecodeHelper
 from agentserve.executor.grammar import advance, mask_logits
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 from agentserve.executor.sampler import Sampler
@@ -30,20 +31,22 @@ class StepExecutor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = runner.max_model_len
 
-    def run(self, plan: Plan) -> list[SeqResult]:
-        """Run ``plan``; sequences that already finished (a plan sent ahead) are skipped."""
+    def run(self, plan: Plan, helper: DecodeHelper | None = None) -> list[SeqResult]:
+        """Run ``plan``; sequences that already finished (a plan sent ahead) are skipped.  ``helper``: the decode
+        helper a fused decode batch may share (:mod:`.fused.helper`)."""
         work = [(sp, st) for sp in plan.seqs if (st := self.table.admit(sp)).finish == Finish.NONE]
         if not work:
             return []
         feeds = [st.tokens_for(sp) for sp, st in work]
-        logits = self._forward(work, feeds, plan.rung)
+        logits = self._forward(work, feeds, plan.rung, helper)
         return self._sample(work, feeds, logits)
 
-    def _forward(self, work: list[tuple[SeqPlan, SeqState]], feeds: list[list[int]], rung: int) -> torch.Tensor:
+    def _forward(self, work: list[tuple[SeqPlan, SeqState]], feeds: list[list[int]], rung: int,
+                 helper: DecodeHelper | None) -> torch.Tensor:
         pairs = zip(work, feeds, strict=True)
         if all(len(f) == 1 for f in feeds):
             items = [DecodeItem(f[0], sp.start_pos, st.block_table) for (sp, st), f in pairs]
-            return self.runner.decode(items, rung)  # the rung's decode graph where one was captured
+            return self.runner.decode(items, rung, helper)  # the rung's decode graph where one was captured
         return self.runner.prefill([PrefillChunk(f, sp.start_pos, st.block_table) for (sp, st), f in pairs])
 
     def _sample(

@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "helper.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_FUSED 1
@@ -143,9 +145,10 @@ INLINE void four_rows(const Mat *a, int64_t r, const float *x0, const float *x1,
     }
 }
 
-/* y[b, r] = x[b, :] . w[r, :] (+ bias[r]) for rows r0..r1 (r1 - r0 a multiple of 4 except at the end):
+/* y[b * ld + r - r0] = x[b, :] . w[r, :] (+ bias[r]) for rows r0..r1 (r1 - r0 a multiple of 4 except at the end):
  * rows four at a time, sequences two at a time (each widened weight vector feeds eight FMAs). */
-INLINE void rows_of(const Mat *a, const float *x, float *y, int batch, int64_t r0, int64_t r1, const int bf16) {
+INLINE void rows_of(const Mat *a, const float *x, float *y, int64_t ld, int batch, int64_t r0, int64_t r1,
+                    const int bf16) {
     const int64_t n = a->cols;
     int64_t r = r0;
     for (; r + 4 <= r1; r += 4) {
@@ -159,8 +162,8 @@ INLINE void rows_of(const Mat *a, const float *x, float *y, int batch, int64_t r
                 four_rows(a, r, x0, x0, s0, s1, b == 0, 0, bf16);
             for (int i = 0; i < 4; i++) {
                 const float bias = a->bias ? a->bias[r + i] : 0.0f;
-                y[(int64_t)b * a->rows + r + i] = s0[i] + bias;
-                if (two) y[(int64_t)(b + 1) * a->rows + r + i] = s1[i] + bias;
+                y[(int64_t)b * ld + r - r0 + i] = s0[i] + bias;
+                if (two) y[(int64_t)(b + 1) * ld + r - r0 + i] = s1[i] + bias;
             }
         }
     }
@@ -169,23 +172,35 @@ INLINE void rows_of(const Mat *a, const float *x, float *y, int batch, int64_t r
         for (int b = 0; b < batch; b++) {
             float s = 0.0f;
             for (int64_t k = 0; k < n; k++) s += widen1(w[k], bf16) * x[(int64_t)b * n + k];
-            y[(int64_t)b * a->rows + r] = s + (a->bias ? a->bias[r] : 0.0f);
+            y[(int64_t)b * ld + r - r0] = s + (a->bias ? a->bias[r] : 0.0f);
         }
     }
 }
 
-static void product(const Mat *a, const float *x, float *y, int batch, int threads) {
+static void some_rows(const Mat *a, const float *x, float *y, int64_t ld, int batch, int64_t r0, int64_t r1) {
+    if (a->bf16)
+        rows_of(a, x, y, ld, batch, r0, r1, 1);
+    else
+        rows_of(a, x, y, ld, batch, r0, r1, 0);
+}
+
+#define HELPER_CHUNKS 16 /* a shared product's chunks (fewer for small matrices): the lane thread waits ~2 at most */
+
+static int product(const Mat *a, const float *x, float *y, int batch, int threads, Helper *helper) {
     const int64_t groups = (a->rows + 3) / 4;
+    if (helper != NULL && groups > 1) {
+        const int64_t per = (groups + HELPER_CHUNKS - 1) / HELPER_CHUNKS; /* row groups per chunk */
+        FusedJob job = {.kind = JOB_PRODUCT, .chunks = (int)((groups + per - 1) / per), .batch = batch,
+                        .chunk_rows = 4 * per, .mat = a, .x = x, .y = y};
+        return helper_share(helper, &job);
+    }
     const int parts = threads > 1 ? threads : 1;
 #pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
     for (int t = 0; t < parts; t++) {
         const int64_t r0 = 4 * (groups * t / parts), r1 = 4 * (groups * (t + 1) / parts);
-        const int64_t end = r1 < a->rows ? r1 : a->rows;
-        if (a->bf16)
-            rows_of(a, x, y, batch, r0, end, 1);
-        else
-            rows_of(a, x, y, batch, r0, end, 0);
+        some_rows(a, x, y + r0, a->rows, batch, r0, r1 < a->rows ? r1 : a->rows);
     }
+    return 0;
 }
 
 /* out[i] = weight[i] * (x[i] / sqrt(mean(x^2) + eps)) over n values. */
@@ -215,16 +230,51 @@ static void store_kv(void *cache, int64_t slot, const float *src, int n, int f16
     }
 }
 
+/* Attention of sequences b0 .. b1 - 1 into out (rows of heads * dim floats). */
+static int attend(const Model *m, const Layer *L, const float *q, const int64_t *tables, const int64_t *lens,
+                  int width, int b0, int b1, float *out, int threads) {
+    const int64_t q_size = (int64_t)m->heads * m->dim;
+    const float *qb = q + b0 * q_size;
+    const int64_t *tb = tables + (int64_t)b0 * width, *lb = lens + b0;
+    return m->cache_f16
+        ? paged_decode_f16(qb, L->k_cache, L->v_cache, m->num_blocks, tb, lb, out, b1 - b0, m->heads, m->kv_heads,
+                           m->dim, m->block_size, width, m->scale, threads)
+        : paged_decode_f32(qb, L->k_cache, L->v_cache, m->num_blocks, tb, lb, out, b1 - b0, m->heads, m->kv_heads,
+                           m->dim, m->block_size, width, m->scale, threads);
+}
+
+ChunkPlace fused_chunk_place(const FusedJob *job, int c) {
+    if (job->kind == JOB_PRODUCT) {
+        const int64_t rows = ((const Mat *)job->mat)->rows, r0 = c * job->chunk_rows;
+        const int64_t r1 = r0 + job->chunk_rows < rows ? r0 + job->chunk_rows : rows;
+        return (ChunkPlace){.offset = r0, .len = r1 - r0, .stride = rows, .segments = job->batch};
+    }
+    const Model *m = job->model;
+    const int64_t q_size = (int64_t)m->heads * m->dim;
+    return (ChunkPlace){.offset = c * q_size, .len = q_size, .stride = q_size, .segments = 1};
+}
+
+int fused_run_chunk(const FusedJob *job, int c, float *out, int64_t ld) {
+    if (job->kind == JOB_PRODUCT) {
+        const Mat *a = job->mat;
+        const ChunkPlace p = fused_chunk_place(job, c);
+        some_rows(a, job->x, out, ld, job->batch, p.offset, p.offset + p.len);
+        return 0;
+    }
+    return attend(job->model, job->layer, job->x, job->tables, job->lens, job->width, c, c + 1, out, 1);
+}
+
 static int layer_step(const Model *m, const Layer *L, float *x, const int64_t *positions, const int64_t *slots,
                       const int64_t *tables, const int64_t *lens, int width, int batch, float *scratch,
-                      int threads) {
+                      int threads, Helper *helper) {
     const int H = m->hidden, D = m->dim, q_size = m->heads * D, kv_size = m->kv_heads * D;
     const int qkv_rows = q_size + 2 * kv_size;
     float *h = scratch, *qkv = h + (int64_t)batch * H, *q = qkv + (int64_t)batch * qkv_rows;
     float *attn = q + (int64_t)batch * q_size, *gu = attn + (int64_t)batch * q_size;
     float *act = gu + (int64_t)batch * 2 * m->inter;
+    int rc;
     for (int b = 0; b < batch; b++) rms_norm(x + (int64_t)b * H, L->input_norm, h + (int64_t)b * H, H, m->eps);
-    product(&L->qkv, h, qkv, batch, threads);
+    if ((rc = product(&L->qkv, h, qkv, batch, threads, helper)) != 0) return rc;
     for (int b = 0; b < batch; b++) {
         float *row = qkv + (int64_t)b * qkv_rows, *k = row + q_size, *v = k + kv_size;
         const float *cos = m->cos + positions[b] * D, *sin = m->sin + positions[b] * D;
@@ -240,32 +290,36 @@ static int layer_step(const Model *m, const Layer *L, float *x, const int64_t *p
         store_kv(L->v_cache, slots[b], v, kv_size, m->cache_f16);
         memcpy(q + (int64_t)b * q_size, row, sizeof(float) * q_size); /* [batch, heads, dim] for the kernel */
     }
-    const int rc = m->cache_f16
-        ? paged_decode_f16(q, L->k_cache, L->v_cache, m->num_blocks, tables, lens, attn, batch, m->heads,
-                           m->kv_heads, D, m->block_size, width, m->scale, threads)
-        : paged_decode_f32(q, L->k_cache, L->v_cache, m->num_blocks, tables, lens, attn, batch, m->heads,
-                           m->kv_heads, D, m->block_size, width, m->scale, threads);
+    if (helper != NULL && batch > 1) { /* a sequence a chunk: the kernel's result is the same alone or batched */
+        FusedJob job = {.kind = JOB_ATTENTION, .chunks = batch, .batch = batch, .width = width, .model = m,
+                        .layer = L, .x = q, .y = attn, .tables = tables, .lens = lens};
+        rc = helper_share(helper, &job);
+    } else {
+        rc = attend(m, L, q, tables, lens, width, 0, batch, attn, threads);
+    }
     if (rc != 0) return rc;
-    product(&L->o, attn, h, batch, threads);
+    if ((rc = product(&L->o, attn, h, batch, threads, helper)) != 0) return rc;
     for (int64_t i = 0; i < (int64_t)batch * H; i++) x[i] += h[i];
     for (int b = 0; b < batch; b++) rms_norm(x + (int64_t)b * H, L->post_norm, h + (int64_t)b * H, H, m->eps);
-    product(&L->gate_up, h, gu, batch, threads);
+    if ((rc = product(&L->gate_up, h, gu, batch, threads, helper)) != 0) return rc;
     const int I = m->inter;
     for (int b = 0; b < batch; b++) {
         const float *g = gu + (int64_t)b * 2 * I, *u = g + I;
         float *a = act + (int64_t)b * I;
         for (int i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
-    product(&L->down, act, h, batch, threads);
+    if ((rc = product(&L->down, act, h, batch, threads, helper)) != 0) return rc;
     for (int64_t i = 0; i < (int64_t)batch * H; i++) x[i] += h[i];
     return 0;
 }
 #endif
 
 /* Returns 0; -2 for a position, slot, length or block id outside the model or cache (checked before anything
- * is written), -5 where this build has no fused step, else paged_decode's error. */
+ * is written), -5 where this build has no fused step, else paged_decode's error.  With a helper (NULL: none) on a
+ * one-thread step it shares the step (helper.c), on its own scratch; `scratch` is then not touched. */
 int fused_decode(const Model *m, float *x, float *out, const int64_t *positions, const int64_t *slots,
-                 const int64_t *tables, const int64_t *lens, int width, int batch, float *scratch, int threads) {
+                 const int64_t *tables, const int64_t *lens, int width, int batch, float *scratch, int threads,
+                 Helper *helper) {
 #if HAVE_FUSED
     const int64_t capacity = m->num_blocks * m->block_size;
     for (int b = 0; b < batch; b++) {
@@ -275,21 +329,32 @@ int fused_decode(const Model *m, float *x, float *out, const int64_t *positions,
         for (int64_t j = 0; j < (lens[b] + m->block_size - 1) / m->block_size; j++)
             if (tables[(int64_t)b * width + j] < 0 || tables[(int64_t)b * width + j] >= m->num_blocks) return -2;
     }
-    for (int i = 0; i < m->num_layers; i++) {
-        const int rc = layer_step(m, &m->layers[i], x, positions, slots, tables, lens, width, batch, scratch,
-                                  threads);
-        if (rc != 0) return rc;
-    }
+    if (helper != NULL && (threads > 1 || !helper_step_begin(helper, batch, width, tables, lens, &tables, &lens,
+                                                             &scratch)))
+        helper = NULL;
+    int rc = 0;
+    for (int i = 0; i < m->num_layers && rc == 0; i++)
+        rc = layer_step(m, &m->layers[i], x, positions, slots, tables, lens, width, batch, scratch, threads, helper);
+    if (helper != NULL) helper_step_end(helper);
+    if (rc != 0) return rc;
     for (int b = 0; b < batch; b++)
         rms_norm(x + (int64_t)b * m->hidden, m->final_norm, out + (int64_t)b * m->hidden, m->hidden, m->eps);
     return 0;
 #else
     (void)m, (void)x, (void)out, (void)positions, (void)slots, (void)tables, (void)lens, (void)width, (void)batch,
-        (void)scratch, (void)threads;
+        (void)scratch, (void)threads, (void)helper;
     return -5;
 #endif
 }
 
 #if !HAVE_FUSED
 int fused_decode_lanes(void) { return 0; }
+ChunkPlace fused_chunk_place(const FusedJob *job, int c) {
+    (void)job, (void)c;
+    return (ChunkPlace){0, 0, 0, 0};
+}
+int fused_run_chunk(const FusedJob *job, int c, float *out, int64_t ld) {
+    (void)job, (void)c, (void)out, (void)ld;
+    return -5;
+}
 #endif

@@ -25,6 +25,7 @@ import torch
 from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
 from agentserve.executor.errors import EngineError
 from agentserve.executor.fused.arena import HugePageArena, aligned
+from agentserve.executor.fused.helper import MAX_BATCH, DecodeHelper, private_floats
 from agentserve.executor.kv_cache import KVCache
 from agentserve.executor.linear import HybridLinear, Linear, PackedFp16Linear
 
@@ -102,7 +103,8 @@ class FusedDecodeStep:
     def __init__(self, kernel: PagedDecodeKernel, model, block_size: int) -> None:
         c = model.config
         self._fn = kernel.library.fused_decode
-        self._fn.argtypes = [ctypes.POINTER(_Model)] + [_ptr] * 6 + [_i32, _i32, _ptr, _i32]
+        self._library = kernel.library
+        self._fn.argtypes = [ctypes.POINTER(_Model)] + [_ptr] * 6 + [_i32, _i32, _ptr, _i32, _ptr]
         self._fn.restype = _i32
         scratch = kernel.library.fused_decode_scratch
         scratch.argtypes, scratch.restype = [ctypes.POINTER(_Model), _i32], _i64
@@ -149,12 +151,21 @@ class FusedDecodeStep:
         self._model.num_blocks = cache.k[0].shape[0]
         self._cache = cache
 
+    def helper(self, max_batch: int = MAX_BATCH) -> DecodeHelper:
+        """A decode helper (not started) for one-thread steps of up to ``max_batch`` sequences of this model."""
+        m = self._model
+        rows = [getattr(layer, name).rows for layer in self._layers for name in MATRICES]
+        width = -(-m.max_positions // m.block_size)
+        return DecodeHelper(self._library, max_batch, width, self._scratch_floats(ctypes.byref(m), max_batch),
+                            private_floats(rows, m.heads * m.dim, max_batch))
+
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                 lens: torch.Tensor, cache: KVCache, threads: int) -> torch.Tensor:
+                 lens: torch.Tensor, cache: KVCache, threads: int, helper: DecodeHelper | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[B, hidden]`` of one token per sequence; writes their K/V into ``cache``.
 
         ``tables`` [B, width] and ``lens`` [B] (the new token counted) as the paged-decode kernel takes them;
-        ``positions`` and ``slots`` [B] int64."""
+        ``positions`` and ``slots`` [B] int64.  ``helper`` shares a one-thread step of up to its ``max_batch``
+        sequences while its owner allows it; the result is bitwise the same."""
         self._bind(cache)
         b = ids.shape[0]
         x = self._embed.index_select(0, ids).to(self._dtype)
@@ -162,7 +173,7 @@ class FusedDecodeStep:
         scratch = torch.empty(self._scratch_floats(ctypes.byref(self._model), b))  # per call: lanes may share
         rc = self._fn(ctypes.byref(self._model), x.data_ptr(), out.data_ptr(), positions.data_ptr(),
                       slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], b, scratch.data_ptr(),
-                      threads)
+                      threads, None if helper is None else helper.handle)
         if rc != 0:
             raise EngineError(f"fused decode step failed ({rc}): a position, slot, length or block id outside "
                               "the model or cache" if rc == -2 else f"fused decode step failed ({rc})")

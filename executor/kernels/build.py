@@ -35,9 +35,10 @@ log = logging.getLogger(__name__)
 
 _EXECUTOR = Path(__file__).parents[1]
 SOURCES = (_EXECUTOR / "attention" / "paged_decode.c", _EXECUTOR / "fused" / "decode_step.c",
-           _EXECUTOR / "attention" / "paged_prefill.c", _EXECUTOR / "attention" / "paged_prefill_fp32.c",
-           _EXECUTOR / "partition" / "omp_team.c")
-HEADERS = (_EXECUTOR / "attention" / "paged_prefill.h", _EXECUTOR / "attention" / "simd_math.h")  # included: in the key
+           _EXECUTOR / "fused" / "helper.c", _EXECUTOR / "attention" / "paged_prefill.c",
+           _EXECUTOR / "attention" / "paged_prefill_fp32.c", _EXECUTOR / "partition" / "omp_team.c")
+HEADERS = (_EXECUTOR / "attention" / "paged_prefill.h", _EXECUTOR / "attention" / "simd_math.h",
+           _EXECUTOR / "fused" / "helper.h")  # included: in the key
 LIBRARY = "paged_decode.so"  # the file name inside its cache folder
 # -ffast-math (vectorised expf, reassociated sums) only when compiling: on the link line gcc would add
 # crtfastmath.o, which flushes subnormals to zero for the whole process as soon as the library loads.

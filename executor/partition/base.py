@@ -17,11 +17,14 @@ from collections import Counter
 from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from agentserve.protocol.lanes import Lane, Rung
+
+if TYPE_CHECKING:
+    from agentserve.executor.fused.helper import DecodeHelper
 
 
 class BackendUnavailable(RuntimeError):
@@ -111,13 +114,19 @@ class PartitionBackend(ABC):
 
     def step_scope(
         self, binding: LaneBinding, num_tokens: int, hold_cores: bool = False, decode_idle: bool = False
-    ) -> AbstractContextManager[None]:
+    ) -> AbstractContextManager[DecodeHelper | None]:
         """Settings for one step of ``num_tokens`` tokens inside ``binding`` (enter on the lane thread).
 
         None by default; the CPU backend picks the step's intra-op thread count and lends decode's idle cores to
         a shared-rung prefill step (``hold_cores``: ``Plan.hold_cores``, decode's cores to the step's end;
-        ``decode_idle``: ``Plan.decode_idle``, lent from its start)."""
+        ``decode_idle``: ``Plan.decode_idle``, lent from its start).  The context yields the decode helper the step
+        may use (:meth:`attach_decode_helper`), else ``None``."""
         return nullcontext()
+
+    def attach_decode_helper(self, helper: DecodeHelper) -> bool:
+        """Start ``helper`` (:mod:`~agentserve.executor.fused.helper`) for the decode lane's one-thread steps where
+        this backend has a core for it; whether it did (the caller then closes it after the lanes stop)."""
+        return False
 
     def between_layers(self, binding: LaneBinding) -> None:
         """Called on the lane thread between the layers of a step inside ``binding`` (CPU cores only).

@@ -53,6 +53,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from agentserve.executor.fused.helper import DecodeHelper
 from agentserve.executor.partition.base import LaneBinding, PartitionBackend
 from agentserve.executor.partition.core_loan import CoreLoan
 from agentserve.executor.partition.ladder import CPU_GRANULARITY, DEFAULT_SHARES, build_ladder
@@ -147,6 +148,8 @@ class CpuCoresBackend(PartitionBackend):
         self._decode_home = self.cores[: home.decode_units] if home is not None else ()
         self._prefill_steps: list[int] = []  # tokens of the prefill lane's running steps (a preempting one nests)
         self._prefill_view: tuple[tuple[int, ...], int] | None = None  # its cores and threads inside a step
+        self._helper: DecodeHelper | None = None  # the decode lane's helper, on the cores decode's home leaves
+        self._prefill_running = 0  # prefill lane steps running (a preempting one nests): the helper waits them out
         if self.loan is not None:
             self.idle_prefill_when_shared = False
             shared = "on the shared rung the prefill lane borrows decode's cores while decode is idle"
@@ -195,20 +198,53 @@ class CpuCoresBackend(PartitionBackend):
             if not release_team():
                 pin_team(sorted(old_mask), min(old_threads, len(cores), len(old_mask)), one_core_each=False)
 
+    def attach_decode_helper(self, helper: DecodeHelper) -> bool:
+        """The helper runs on the cores decode's home rung leaves to prefill (none on one core): it takes chunks of
+        the decode lane's one-thread steps while no prefill lane step runs."""
+        spare = [c for c in self.cores if c not in self._decode_home]
+        if not spare or self._helper is not None:
+            return False
+        helper.start(spare)
+        self._helper = helper
+        log.info("decode helper: a thread on CPU(s) %s shares one-thread decode steps while the prefill lane is idle",
+                 spare)
+        return True
+
     @contextmanager
     def step_scope(self, binding: LaneBinding, num_tokens: int, hold_cores: bool = False,
-                   decode_idle: bool = False) -> Iterator[None]:
+                   decode_idle: bool = False) -> Iterator[DecodeHelper | None]:
         """One intra-op thread for a step of at most ``ONE_THREAD_MAX_TOKENS`` tokens, the binding's count otherwise;
         with the core loan, a decode step first takes its cores back and a shared-rung prefill step borrows them
         (with ``hold_cores``, to its end: :meth:`.CoreLoan.hold`; with ``decode_idle``, from its start:
-        :meth:`.CoreLoan.burst_ended`)."""
-        if self.loan is not None and binding.lane == Lane.PREFILL and not binding.rung.partitioned:
-            with self._borrowing(binding, num_tokens, hold_cores, decode_idle):
-                yield
+        :meth:`.CoreLoan.burst_ended`).  A decode lane step on one thread gets the decode helper; a prefill lane
+        step keeps it off its cores while it runs."""
+        if binding.lane == Lane.PREFILL:
+            with self._helper_off():
+                if self.loan is not None and not binding.rung.partitioned:
+                    with self._borrowing(binding, num_tokens, hold_cores, decode_idle):
+                        yield None
+                    return
+                with self._threads(step_threads(num_tokens, binding.threads)):
+                    yield None
             return
-        waiting = self.loan.decode_step() if self.loan is not None and binding.lane == Lane.DECODE else nullcontext()
-        with waiting, self._threads(step_threads(num_tokens, binding.threads)):
+        waiting = self.loan.decode_step() if self.loan is not None else nullcontext()
+        threads = step_threads(num_tokens, binding.threads)
+        with waiting, self._threads(threads):
+            yield self._helper if threads == 1 else None
+
+    @contextmanager
+    def _helper_off(self) -> Iterator[None]:
+        """A prefill lane step: the decode helper takes no chunks until it ends (it finishes the one it has)."""
+        helper = self._helper
+        self._prefill_running += 1
+        if helper is not None:
+            helper.allow(False)
+        try:
             yield
+        finally:
+            self._prefill_running -= 1
+            if helper is not None and self._prefill_running == 0:
+                helper.allow(True)
 
     @staticmethod
     @contextmanager

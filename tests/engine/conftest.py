@@ -58,3 +58,9 @@ def bf16_checkpoints(cases, tmp_path_factory):
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         out[name] = (path, hf)
     return out
+
+
+@pytest.fixture(scope="module")
+def bf16_paths(bf16_checkpoints):
+    """Each case's bf16 checkpoint folder."""
+    return {name: path for name, (path, _) in bf16_checkpoints.items()}

@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from agentserve.executor.attention import cpu_kernel
 from agentserve.executor.kernels import build
+from agentserve.executor.linear import fp16_packing_available
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
 VOCAB = 300
@@ -154,3 +156,23 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new: int,
     driver = GreedyDriver(runner, len(prompts))
     seqs = list(range(len(prompts)))
     return driver.generate(seqs, driver.prefill(seqs, prompts, chunk_size), max_new)
+
+
+def fused_runs_here() -> bool:
+    """Whether the fused CPU decode step runs here (FBGEMM's fp16 packing, a C compiler, AVX2 + FMA + F16C)."""
+    if not fp16_packing_available() or build.compiler() is None:
+        return False
+    kernel = cpu_kernel.load()
+    return kernel is not None and bool(kernel.library.fused_decode_available())
+
+
+def random_bf16_qwen2(path: Path, seed: int, scale: float, **sizes: int) -> Path:
+    """A Qwen2 of ``COMMON`` with ``sizes`` changed, random weights (norms near 1, the rest ``scale``-wide),
+    saved in bf16 at ``path``."""
+    config = transformers.Qwen2Config(**{**COMMON, **sizes})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
+    return save_checkpoint(model.to(torch.bfloat16), path)

@@ -11,31 +11,16 @@ import threading
 
 import pytest
 import torch
-import transformers
-from engine_helpers import COMMON, REL_TOL, GreedyDriver, rel_err, save_checkpoint
+from engine_helpers import REL_TOL, GreedyDriver, fused_runs_here, random_bf16_qwen2, rel_err
 
-from agentserve.executor.attention import cpu_kernel
 from agentserve.executor.errors import EngineError
 from agentserve.executor.fused.arena import HugePageArena, aligned
 from agentserve.executor.fused.step import MATRICES, rows16
 from agentserve.executor.kernels import build
-from agentserve.executor.linear import HybridLinear, PackedFp16Linear, fp16_packing_available
+from agentserve.executor.linear import HybridLinear, PackedFp16Linear
 from agentserve.executor.runner import DecodeItem, ModelRunner
 
-
-def _fused_runs_here() -> bool:
-    if not fp16_packing_available() or build.compiler() is None:
-        return False
-    kernel = cpu_kernel.load()
-    return kernel is not None and bool(kernel.library.fused_decode_available())
-
-
-pytestmark = pytest.mark.skipif(not _fused_runs_here(), reason="no FBGEMM, C compiler or AVX2+FMA+F16C here")
-
-
-@pytest.fixture(scope="module")
-def bf16_paths(bf16_checkpoints):
-    return {name: path for name, (path, _) in bf16_checkpoints.items()}
+pytestmark = pytest.mark.skipif(not fused_runs_here(), reason="no FBGEMM, C compiler or AVX2+FMA+F16C here")
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +28,8 @@ def odd_path(tmp_path_factory):
     """A Qwen2 (q/k/v biases) whose sizes are no multiple of 16 or 4: hidden 66 in three heads of 22 and one
     KV head (the biased q/k/v product has 110 rows), intermediate 149 (298 gate/up rows, 149 columns in the
     down product), so every tail loop of the products runs."""
-    config = transformers.Qwen2Config(**{**COMMON, "hidden_size": 66, "num_attention_heads": 3,
-                                         "num_key_value_heads": 1, "intermediate_size": 149})
-    torch.manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    return save_checkpoint(model.to(torch.bfloat16), tmp_path_factory.mktemp("fused_odd") / "qwen2_odd")
+    return random_bf16_qwen2(tmp_path_factory.mktemp("fused_odd") / "qwen2_odd", 3, 0.15, hidden_size=66,
+                             num_attention_heads=3, num_key_value_heads=1, intermediate_size=149)
 
 
 def _decode_logits(runner: ModelRunner, prompts: list[list[int]], steps: int, threads: int) -> torch.Tensor:

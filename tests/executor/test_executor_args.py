@@ -17,7 +17,8 @@ def test_engine_settings_reach_the_model_runner() -> None:
     opts, _ = parse(["--run", "r", "--model", "/m", *_executor_args(engine, "cpu-cores")])
     assert opts.partition == "cpu-cores" and opts.model_dir == "/m"
     assert opts.runner == {"dtype": "float32", "weights": "dense", "kv_cache_dtype": "auto",
-                           "attention_backend": "auto", "decode_step": "auto", "prefill_attention": "auto",
+                           "attention_backend": "auto", "decode_step": "auto", "decode_helper": "auto",
+                           "prefill_attention": "auto",
                            "device": "auto", "block_size": 16,
                            "num_blocks": 12, "max_model_len": 256, "memory_utilization": 0.9,
                            "cpu_kv_fraction": 0.5, "cpu_kv_cap_bytes": 2 * 2**30}

@@ -107,7 +107,7 @@ def test_sticky_cuda_error_ends_the_executor(runner: ModelRunner, monkeypatch) -
     ex = Executor(pair, runner, backend)
     ran: list[int] = []
 
-    def poisoned(plan):
+    def poisoned(plan, helper=None):
         ran.append(plan.step)
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
@@ -145,8 +145,8 @@ def test_ordinary_step_errors_keep_the_executor_alive(runner: ModelRunner, monke
     pair = FakePair()
     ex = Executor(pair, runner, backend)
     real = ex.step.run
-    monkeypatch.setattr(ex.step, "run", lambda plan: (_ for _ in ()).throw(ValueError("bad plan"))
-                        if plan.step == 1 else real(plan))
+    monkeypatch.setattr(ex.step, "run", lambda plan, helper=None: (_ for _ in ()).throw(ValueError("bad plan"))
+                        if plan.step == 1 else real(plan, helper))
     t = threading.Thread(target=ex.serve, args=("tiny",), daemon=True)
     t.start()
     try:
