@@ -23,7 +23,9 @@ to reach its core).  A one-core decode lane has no workers, so the pools then ho
 A step of at most :data:`ONE_THREAD_MAX_TOKENS` tokens (a decode of a few sequences) runs on one
 intra-op thread: its matmuls are memory-bound, so one thread moves nearly what two do, while a second
 thread adds an OpenMP barrier per op that stalls whenever the other core is busy (the orchestrator, a
-client, the prefill lane).  Larger steps use the binding's thread count.
+client, the prefill lane).  Larger steps use the binding's thread count.  A one-thread decode lane step gets the
+decode helper instead (:mod:`agentserve.executor.fused.helper`: a thread on the cores decode's home rung leaves to
+prefill, sharing the fused step without a barrier), kept off those cores while a prefill lane step runs.
 
 On the shared (top) rung the prefill lane borrows the decode lane's cores while decode is idle and
 returns them at its next layer boundary when a decode step wants them (:mod:`.core_loan`): the prefill
