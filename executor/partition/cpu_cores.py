@@ -204,7 +204,7 @@ class CpuCoresBackend(PartitionBackend):
         """The helper runs on the cores decode's home rung leaves to prefill (none on one core): it takes chunks of
         the decode lane's one-thread steps while no prefill lane step runs."""
         spare = [c for c in self.cores if c not in self._decode_home]
-        if not spare or self._helper is not None:
+        if not self._decode_home or not spare or self._helper is not None:  # no partitioned rung on one core
             return False
         helper.start(spare)
         self._helper = helper
@@ -231,8 +231,25 @@ class CpuCoresBackend(PartitionBackend):
             return
         waiting = self.loan.decode_step() if self.loan is not None else nullcontext()
         threads = step_threads(num_tokens, binding.threads)
-        with waiting, self._threads(threads):
-            yield self._helper if threads == 1 else None
+        helper = self._helper if threads == 1 else None
+        with waiting, self._threads(threads), self._beside(helper, binding):
+            yield helper
+
+    @staticmethod
+    @contextmanager
+    def _beside(helper: DecodeHelper | None, binding: LaneBinding) -> Iterator[None]:
+        """A decode lane thread whose cores include the helper's (the top rung) runs its step on the others: on the
+        helper's core the two would take turns (the helper spins between the step's products)."""
+        own = tuple(c for c in binding.cores if helper is not None and c not in helper.cores)
+        if helper is None or not own or len(own) == len(binding.cores):
+            yield
+            return
+        tid = threading.get_native_id()
+        os.sched_setaffinity(tid, own)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(tid, binding.cores)
 
     @contextmanager
     def _helper_off(self) -> Iterator[None]:
