@@ -68,6 +68,7 @@
 typedef struct {
     int heads, kv_heads, dim, block_size;
     float scale;
+    int row_heads; /* KV heads per cached token (kv_heads, or more when the call attends some of them) */
 } Shape;
 
 /* One sequence's tokens of one span: where each token's row (all KV heads) starts in the key and value caches. */
@@ -505,7 +506,7 @@ INLINE void attend_group(const float *restrict q, const void *restrict k_cache, 
                          float *restrict m, float *restrict l, int b0, int b1, int width, Shape sh, const int dim,
                          const int f16) {
     const int heads = sh.heads, bs = sh.block_size;
-    const int64_t row = (int64_t)sh.kv_heads * dim * (f16 ? 2 : 4); /* bytes between a block's tokens */
+    const int64_t row = (int64_t)sh.row_heads * dim * (f16 ? 2 : 4); /* bytes between a block's tokens */
     int64_t steps = 0;
     for (int b = b0; b < b1; b++) steps = spans_of(lens, b) > steps ? spans_of(lens, b) : steps;
     for (int64_t i = (int64_t)b0 * heads; i < (int64_t)b1 * heads; i++) m[i] = -FLT_MAX, l[i] = 0.0f;
@@ -574,7 +575,7 @@ INLINE int paged_decode(const float *q, const void *k_cache, const void *v_cache
     if (!paged_decode_supports(heads, kv_heads, dim, block_size)) return -1;
     if (!valid_tables(tables, lens, batch, width, block_size, num_blocks)) return -2;
     if (batch < 1) return 0;
-    const Shape sh = {heads, kv_heads, dim, block_size, scale};
+    const Shape sh = {heads, kv_heads, dim, block_size, scale, kv_heads};
     float *state = malloc(sizeof(float) * 2 * (size_t)batch * heads); /* m, then l, of every head */
     if (state == NULL) return -3;
     const int groups = threads < batch ? (threads > 1 ? threads : 1) : batch; /* one group per thread */
@@ -630,4 +631,47 @@ int paged_decode_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_
     if (!HAVE_F16) return -4;
     return paged_decode(q, k_cache, v_cache, num_blocks, tables, lens, out, batch, heads, kv_heads, dim, block_size,
                         width, scale, threads, 1);
+}
+
+/* One sequence's attention for its KV heads [kv0, kv1) only: q and out point at the first of their query heads'
+ * rows ((kv1 - kv0) * heads / kv_heads rows of dim); k_cache and v_cache are the whole caches.  Each head's
+ * numbers are those the whole call computes for it (every head's walk is its own): the fused decode step's helper
+ * shares one sequence's attention this way.  Returns as paged_decode_f32, and -1 for a head range outside
+ * [0, kv_heads). */
+INLINE int paged_decode_heads(const float *q, const void *k_cache, const void *v_cache, int64_t num_blocks,
+                              const int64_t *table, const int64_t *len, float *out, int heads, int kv_heads, int kv0,
+                              int kv1, int dim, int block_size, int width, float scale, const int f16) {
+    if (!paged_decode_supports(heads, kv_heads, dim, block_size) || kv0 < 0 || kv1 > kv_heads || kv0 >= kv1)
+        return -1;
+    if (!valid_tables(table, len, 1, width, block_size, num_blocks)) return -2;
+    const int group = heads / kv_heads;
+    const Shape sh = {(kv1 - kv0) * group, kv1 - kv0, dim, block_size, scale, kv_heads};
+    float m[MAX_HEADS], l[MAX_HEADS];
+    const int64_t skip = (int64_t)kv0 * dim * (f16 ? 2 : 4);
+#ifdef __SSE__
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040); /* FTZ | DAZ, as paged_decode's threads */
+#endif
+    attend_group_as(q, (const char *)k_cache + skip, (const char *)v_cache + skip, table, len, out, m, l, 0, 1, width,
+                    sh, dim, f16);
+#ifdef __SSE__
+    _mm_setcsr(csr);
+#endif
+    return 0;
+}
+
+int paged_decode_heads_f32(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                           const int64_t *table, const int64_t *len, float *out, int heads, int kv_heads, int kv0,
+                           int kv1, int dim, int block_size, int width, float scale) {
+    return paged_decode_heads(q, k_cache, v_cache, num_blocks, table, len, out, heads, kv_heads, kv0, kv1, dim,
+                              block_size, width, scale, 0);
+}
+
+/* As paged_decode_heads_f32 over fp16 caches; -4 where the build has no F16C. */
+int paged_decode_heads_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t num_blocks,
+                           const int64_t *table, const int64_t *len, float *out, int heads, int kv_heads, int kv0,
+                           int kv1, int dim, int block_size, int width, float scale) {
+    if (!HAVE_F16) return -4;
+    return paged_decode_heads(q, k_cache, v_cache, num_blocks, table, len, out, heads, kv_heads, kv0, kv1, dim,
+                              block_size, width, scale, 1);
 }

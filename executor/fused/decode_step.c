@@ -55,6 +55,12 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
 int paged_decode_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t num_blocks,
                      const int64_t *tables, const int64_t *lens, float *out, int batch, int heads, int kv_heads,
                      int dim, int block_size, int width, float scale, int threads);
+int paged_decode_heads_f32(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                           const int64_t *table, const int64_t *len, float *out, int heads, int kv_heads, int kv0,
+                           int kv1, int dim, int block_size, int width, float scale);
+int paged_decode_heads_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t num_blocks,
+                           const int64_t *table, const int64_t *len, float *out, int heads, int kv_heads, int kv0,
+                           int kv1, int dim, int block_size, int width, float scale);
 
 int fused_decode_available(void) { return HAVE_FUSED; }
 
@@ -250,8 +256,12 @@ ChunkPlace fused_chunk_place(const FusedJob *job, int c) {
         return (ChunkPlace){.offset = r0, .len = r1 - r0, .stride = rows, .segments = job->batch};
     }
     const Model *m = job->model;
-    const int64_t q_size = (int64_t)m->heads * m->dim;
-    return (ChunkPlace){.offset = c * q_size, .len = q_size, .stride = q_size, .segments = 1};
+    const int64_t q_size = (int64_t)m->heads * m->dim, head_rows = (int64_t)(m->heads / m->kv_heads) * m->dim;
+    const int parts = (m->kv_heads + job->kv_per_chunk - 1) / job->kv_per_chunk; /* chunks per sequence */
+    const int kv0 = c % parts * job->kv_per_chunk;
+    const int kv1 = kv0 + job->kv_per_chunk < m->kv_heads ? kv0 + job->kv_per_chunk : m->kv_heads;
+    const int64_t len = (kv1 - kv0) * head_rows;
+    return (ChunkPlace){.offset = c / parts * q_size + kv0 * head_rows, .len = len, .stride = len, .segments = 1};
 }
 
 int fused_run_chunk(const FusedJob *job, int c, float *out, int64_t ld) {
@@ -261,7 +271,20 @@ int fused_run_chunk(const FusedJob *job, int c, float *out, int64_t ld) {
         some_rows(a, job->x, out, ld, job->batch, p.offset, p.offset + p.len);
         return 0;
     }
-    return attend(job->model, job->layer, job->x, job->tables, job->lens, job->width, c, c + 1, out, 1);
+    const Model *m = job->model;
+    const Layer *L = job->layer;
+    const int parts = (m->kv_heads + job->kv_per_chunk - 1) / job->kv_per_chunk, b = c / parts;
+    if (parts == 1) return attend(m, L, job->x, job->tables, job->lens, job->width, b, b + 1, out, 1);
+    const int kv0 = c % parts * job->kv_per_chunk;
+    const int kv1 = kv0 + job->kv_per_chunk < m->kv_heads ? kv0 + job->kv_per_chunk : m->kv_heads;
+    const ChunkPlace p = fused_chunk_place(job, c);
+    const float *q = job->x + p.offset; /* the queries lie as the output: [batch, heads, dim] */
+    const int64_t *table = job->tables + (int64_t)b * job->width, *len = job->lens + b;
+    return m->cache_f16
+        ? paged_decode_heads_f16(q, L->k_cache, L->v_cache, m->num_blocks, table, len, out, m->heads, m->kv_heads,
+                                 kv0, kv1, m->dim, m->block_size, job->width, m->scale)
+        : paged_decode_heads_f32(q, L->k_cache, L->v_cache, m->num_blocks, table, len, out, m->heads, m->kv_heads,
+                                 kv0, kv1, m->dim, m->block_size, job->width, m->scale);
 }
 
 static int layer_step(const Model *m, const Layer *L, float *x, const int64_t *positions, const int64_t *slots,
@@ -290,9 +313,14 @@ static int layer_step(const Model *m, const Layer *L, float *x, const int64_t *p
         store_kv(L->v_cache, slots[b], v, kv_size, m->cache_f16);
         memcpy(q + (int64_t)b * q_size, row, sizeof(float) * q_size); /* [batch, heads, dim] for the kernel */
     }
-    if (helper != NULL && batch > 1) { /* a sequence a chunk: the kernel's result is the same alone or batched */
-        FusedJob job = {.kind = JOB_ATTENTION, .chunks = batch, .batch = batch, .width = width, .model = m,
-                        .layer = L, .x = q, .y = attn, .tables = tables, .lens = lens};
+    if (helper != NULL && (batch > 1 || m->kv_heads > 1) && batch <= HELPER_MAX_CHUNKS) {
+        /* a sequence a chunk (the kernel's result is the same alone or batched), or one sequence's KV heads in up to
+         * HELPER_CHUNKS chunks (each head's walk is its own) */
+        const int per = batch > 1 ? m->kv_heads : (m->kv_heads + HELPER_CHUNKS - 1) / HELPER_CHUNKS;
+        const int parts = (m->kv_heads + per - 1) / per;
+        FusedJob job = {.kind = JOB_ATTENTION, .chunks = batch * parts, .batch = batch, .width = width,
+                        .kv_per_chunk = per, .model = m, .layer = L, .x = q, .y = attn, .tables = tables,
+                        .lens = lens};
         rc = helper_share(helper, &job);
     } else {
         rc = attend(m, L, q, tables, lens, width, 0, batch, attn, threads);
