@@ -4,6 +4,7 @@ what the GPU path is missing here with the command that gets it."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from importlib import metadata
@@ -115,6 +116,8 @@ def cpu_engine() -> str:
              else "an fp32 KV cache")
     fused = fmt != "dense" and not fused_why_not("auto", kernel, cpu, fp32, ())  # fmt stands for the matrices
     cache += f", fused C decode step ({instruction_set(kernel)})" if fused else ", PyTorch decode step"
+    if fused and len(os.sched_getaffinity(0)) > 1:
+        cache += " shared with a helper thread on the prefill lane's idle core"
     hybrid_decode = ("the checkpoint's bf16 values with fp32 sums for decode" if fused
                      else "packed fp16 for decode")  # the fused step reads a hybrid matrix's bf16 copy
     prefill, _ = cpu_prefill_kernel("auto", "auto", 8, 2, 64, 16, cpu, fp32, fmt == "hybrid")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -103,6 +104,7 @@ def test_doctor_names_the_cpu_engine_auto_runs_on_this_cpu_class(monkeypatch: py
             assert not fused or re.search(r"fused C decode step \((AVX-512|AVX2)\)", engine), engine
             assert ("bf16 values with fp32 sums for decode" in engine) == fused
             assert ("packed fp16 for decode" in engine) == (not fused)
+            assert ("with a helper thread" in engine) == (fused and len(os.sched_getaffinity(0)) > 1)
         bf16_attention = native and cpu_prefill.load("bf16") is not None  # the kernel needs AVX512-BF16 itself
         fp32_kernel = not bf16_attention and cpu_prefill.preferred()  # builds without AVX-512 take it
         assert ("bf16 prefill attention" in engine) == bf16_attention
