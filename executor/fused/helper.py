@@ -64,6 +64,7 @@ class DecodeHelper:
             raise MemoryError("decode helper: no memory for its scratch")
         self._thread: threading.Thread | None = None
         self._cores: tuple[int, ...] = ()
+        self.idle = False  # the thread runs at SCHED_IDLE
 
     def start(self, cores: Sequence[int]) -> None:
         """Start serving on a thread pinned to ``cores`` (not the lane thread's)."""
@@ -76,9 +77,15 @@ class DecodeHelper:
         ready.wait()
 
     def _serve(self, ready: threading.Event) -> None:
+        tid = threading.get_native_id()
         try:
             if self._cores:
-                os.sched_setaffinity(threading.get_native_id(), self._cores)
+                os.sched_setaffinity(tid, self._cores)
+            try:  # the orchestrator and the clients come first on its core: it takes only what they leave
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                self.idle = True
+            except (OSError, AttributeError) as e:
+                log.info("decode helper keeps its scheduling policy: %s", e)
         finally:
             ready.set()
         self._lib.fused_helper_serve(self.handle)  # returns at close(); ctypes drops the GIL meanwhile

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 import random
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 from engine_helpers import GreedyDriver, fused_runs_here, random_bf16_qwen2
 
 from agentserve.executor.errors import EngineError
+from agentserve.executor.partition.omp_team import release_team
 from agentserve.executor.runner import DecodeItem, ModelRunner
 
 TWO_CPUS = len(os.sched_getaffinity(0)) > 1  # else the helper shares the lane thread's CPU and may never run
@@ -38,6 +42,7 @@ def _runner(path, **kwargs) -> ModelRunner:
 def _prefilled(runner: ModelRunner, prompts: list[list[int]], seqs: int) -> tuple[GreedyDriver, list[int]]:
     driver = GreedyDriver(runner, seqs)
     first = driver.prefill(list(range(seqs)), [prompts[s % len(prompts)] + [3] * s for s in range(seqs)])
+    release_team()  # as the executor does: an idle OpenMP worker spinning on the helper's core would starve it
     return driver, first.argmax(-1).tolist()
 
 
@@ -58,10 +63,19 @@ def helper_of():
         helper.close()
 
 
-def _one_thread():
-    before = torch.get_num_threads()
+@contextmanager
+def lane_thread() -> Iterator[None]:
+    """The calling thread as a decode lane's: one intra-op thread, on the first CPU only (the helper is on the
+    others; at SCHED_IDLE it would not run beside this thread on one CPU)."""
+    tid, before = threading.get_native_id(), torch.get_num_threads()
+    mask = os.sched_getaffinity(tid)
     torch.set_num_threads(1)
-    return before
+    os.sched_setaffinity(tid, sorted(mask)[:1])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(tid, mask)
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("case_name", ["llama_tied", "qwen3_headdim", "qwen2_tied_bias"])
@@ -73,8 +87,8 @@ def test_a_shared_step_computes_bitwise_what_the_lane_thread_computes_alone(case
     runner = _runner(bf16_paths[case_name])
     driver, first = _prefilled(runner, cases[case_name].prompts, 5)
     helper = helper_of(runner)
-    before = _one_thread()
-    try:
+    assert helper.idle, "the helper takes only what the other threads leave of its core (SCHED_IDLE)"
+    with lane_thread():
         for stall in (0, 3):
             helper.stall(stall, 300)
             for n in (1, 2, 3, 5):
@@ -86,8 +100,6 @@ def test_a_shared_step_computes_bitwise_what_the_lane_thread_computes_alone(case
             assert counts["steps"] == 12 * (1 + (stall > 0))
             assert counts["helped"] > 0 or not TWO_CPUS
         assert counts["taken_back"] > 0 or not TWO_CPUS
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_random_batches_and_stalls_over_many_steps(wide_path, cases, helper_of):
@@ -99,8 +111,7 @@ def test_random_batches_and_stalls_over_many_steps(wide_path, cases, helper_of):
     helper = helper_of(runners[1])
     rng = random.Random(7)
     last = [list(drivers[0][1]), list(drivers[1][1])]
-    before = _one_thread()
-    try:
+    with lane_thread():
         for step in range(150):
             seqs = sorted(rng.sample(range(6), rng.randint(1, 6)))
             helper.stall(rng.choice([0, 1, 2, 5]), rng.choice([8, 30, 200, 3000]))
@@ -115,8 +126,6 @@ def test_random_batches_and_stalls_over_many_steps(wide_path, cases, helper_of):
             for i in (0, 1):
                 for s, t in zip(seqs, out[i].argmax(-1).tolist(), strict=True):
                     last[i][s] = t
-    finally:
-        torch.set_num_threads(before)
     counts = helper.counts()
     assert 0 < counts["steps"] < 150
     assert (counts["helped"] > 0 and counts["taken_back"] > 0) or not TWO_CPUS
@@ -129,8 +138,7 @@ def test_the_helper_shares_nothing_it_cannot_take(bf16_paths, cases, helper_of):
     helper = helper_of(runner, max_batch=2)
     items = [DecodeItem(first[s], driver.cached[s], driver.tables[s]) for s in range(3)]
     alone = runner.decode(items)
-    before = _one_thread()
-    try:
+    with lane_thread():
         assert torch.equal(runner.decode(items, helper=helper), alone)  # 3 > max_batch
         helper.allow(False)
         assert torch.equal(runner.decode(items[:2], helper=helper), runner.decode(items[:2]))
@@ -142,8 +150,6 @@ def test_the_helper_shares_nothing_it_cannot_take(bf16_paths, cases, helper_of):
         torch.set_num_threads(1)
         runner.decode(items[:2], helper=helper)
         assert helper.counts()["steps"] == 1
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_decode_helper_setting(bf16_paths, cases):
