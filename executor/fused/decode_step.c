@@ -64,6 +64,28 @@ int paged_decode_heads_f16(const float *q, const uint16_t *k_cache, const uint16
 
 int fused_decode_available(void) { return HAVE_FUSED; }
 
+#define HELPER_CHUNKS 16 /* a shared product's chunks (fewer for small matrices): the lane thread waits ~2 at most */
+
+/* Row groups of four in each chunk of a shared product of `rows` rows. */
+static int64_t chunk_groups(int64_t rows) {
+    const int64_t groups = (rows + 3) / 4;
+    return (groups + HELPER_CHUNKS - 1) / HELPER_CHUNKS;
+}
+
+/* Floats of the largest chunk steps of up to max_batch sequences give a helper (its private buffer): a product
+ * chunk's rows for every sequence, or one sequence's attention. */
+int64_t fused_helper_chunk_floats(const Model *m, int max_batch) {
+    int64_t most = (int64_t)m->heads * m->dim;
+    for (int i = 0; i < m->num_layers; i++) {
+        const Mat *mats[4] = {&m->layers[i].qkv, &m->layers[i].o, &m->layers[i].gate_up, &m->layers[i].down};
+        for (int j = 0; j < 4; j++) {
+            const int64_t floats = (int64_t)max_batch * 4 * chunk_groups(mats[j]->rows);
+            most = floats > most ? floats : most;
+        }
+    }
+    return most;
+}
+
 /* Floats of scratch a step of `batch` sequences needs. */
 int64_t fused_decode_scratch(const Model *m, int batch) {
     const int64_t q = (int64_t)m->heads * m->dim, kv = (int64_t)m->kv_heads * m->dim;
@@ -190,12 +212,10 @@ static void some_rows(const Mat *a, const float *x, float *y, int64_t ld, int ba
         rows_of(a, x, y, ld, batch, r0, r1, 0);
 }
 
-#define HELPER_CHUNKS 16 /* a shared product's chunks (fewer for small matrices): the lane thread waits ~2 at most */
-
 static int product(const Mat *a, const float *x, float *y, int batch, int threads, Helper *helper) {
     const int64_t groups = (a->rows + 3) / 4;
     if (helper != NULL && groups > 1) {
-        const int64_t per = (groups + HELPER_CHUNKS - 1) / HELPER_CHUNKS; /* row groups per chunk */
+        const int64_t per = chunk_groups(a->rows);
         FusedJob job = {.kind = JOB_PRODUCT, .chunks = (int)((groups + per - 1) / per), .batch = batch,
                         .chunk_rows = 4 * per, .mat = a, .x = x, .y = y};
         return helper_share(helper, &job);

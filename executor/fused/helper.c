@@ -143,8 +143,6 @@ void fused_helper_counts(const Helper *h, int64_t counts[3]) {
     counts[2] = (int64_t)atomic_load(&h->steps);
 }
 
-int64_t helper_private_floats(const Helper *h) { return h->private_floats; }
-
 /* Lane thread, before a step: whether the helper can share it; if so the step runs on the helper's scratch and on
  * copies of its tables and lengths (their pointers returned). */
 int helper_step_begin(Helper *h, int batch, int width, const int64_t *tables, const int64_t *lens,
@@ -179,13 +177,13 @@ int helper_share(Helper *h, FusedJob *job) {
     atomic_store_explicit(&h->seq, 2 * id, memory_order_release);
 
     const uint64_t start = now_ns();
-    int mine = 0;
+    int mine = 0, failed = 0; /* a failed chunk's error is returned once no chunk is in the helper's hands */
     for (int c = 0; c < chunks; c++) { /* the front, while chunks are free */
         uint64_t free_word = STATE(id, FREE);
         if (!atomic_compare_exchange_strong(&h->state[c], &free_word, STATE(id, MINE))) break;
         const ChunkPlace p = fused_chunk_place(job, c);
         const int rc = fused_run_chunk(job, c, job->y + p.offset, p.stride);
-        if (rc != 0) return rc; /* the helper's late copies, if any, land in this failed step's output only */
+        failed = failed ? failed : rc;
         mine++;
     }
     const uint64_t ended = now_ns(), per_chunk = mine ? (ended - start) / (uint64_t)mine : 0;
@@ -200,13 +198,13 @@ int helper_share(Helper *h, FusedJob *job) {
                 if (st == HELPING) atomic_fetch_add_explicit(&h->taken_back, 1, memory_order_relaxed);
                 const ChunkPlace p = fused_chunk_place(job, c);
                 const int rc = fused_run_chunk(job, c, job->y + p.offset, p.stride);
-                if (rc != 0) return rc;
+                failed = failed ? failed : rc;
                 break;
             }
             PAUSE(); /* HELPING within the grace, or COPYING (a few hundred floats) */
         }
     }
-    return 0;
+    return failed;
 }
 
 /* Take and compute chunks of the current job from the back while the lane thread works from the front. */

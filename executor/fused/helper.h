@@ -41,6 +41,5 @@ int helper_share(Helper *h, FusedJob *job); /* 0: every chunk written; else a ch
 int helper_step_begin(Helper *h, int batch, int width, const int64_t *tables, const int64_t *lens,
                       const int64_t **tables_out, const int64_t **lens_out, float **scratch);
 void helper_step_end(Helper *h);
-int64_t helper_private_floats(const Helper *h);
 
 #endif

@@ -5,7 +5,7 @@ about two chunk times at most, then takes it back and computes it itself.
 A decode step of a few sequences is memory-bound; on two cores it runs 1.5-1.8x faster than on one, but an
 OpenMP team stalls at every product's barrier whenever its other thread is descheduled (in a server: the
 orchestrator, a client, the prefill lane), which made two-thread decode steps slower at the tail than one-thread
-ones.  The helper gives the same speed when its core is free and costs about two chunks when it is not.
+ones.  The helper gives most of that speed while its core is free and costs about two chunks when it is not.
 
 Its owner pins it (:meth:`DecodeHelper.start`), lets it take chunks or not (:meth:`DecodeHelper.allow`: the prefill
 lane disallows it while it runs a step on the helper's core) and passes it to :class:`~.step.FusedDecodeStep` for
@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 DECODE_HELPER_SETTINGS = ("auto", "off")  # engine setting: auto = a helper wherever the fused step has a spare core
 MAX_BATCH = 32  # the largest decode batch a helper shares (its scratch is sized for it)
-CHUNKS = 16  # decode_step.c's HELPER_CHUNKS: a shared product's chunks
 _ptr, _i32, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
@@ -39,16 +38,6 @@ def _declare(library: ctypes.CDLL) -> None:
     library.fused_helper_allow.argtypes, library.fused_helper_allow.restype = [_ptr, _i32], None
     library.fused_helper_stall.argtypes, library.fused_helper_stall.restype = [_ptr, _i32, _i32], None
     library.fused_helper_counts.argtypes, library.fused_helper_counts.restype = [_ptr, ctypes.POINTER(_i64)], None
-
-
-def private_floats(matrix_rows: Sequence[int], q_size: int, max_batch: int) -> int:
-    """The largest chunk a step of ``max_batch`` sequences gives the helper: a product's rows of a chunk (row groups
-    of four, ``CHUNKS`` chunks) for every sequence, or one sequence's attention output."""
-    def chunk_rows(rows: int) -> int:
-        groups = -(-rows // 4)
-        return 4 * -(-groups // CHUNKS)
-
-    return max(max_batch * max(map(chunk_rows, matrix_rows)), q_size)
 
 
 class DecodeHelper:

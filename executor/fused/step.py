@@ -25,7 +25,7 @@ import torch
 from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
 from agentserve.executor.errors import EngineError
 from agentserve.executor.fused.arena import HugePageArena, aligned
-from agentserve.executor.fused.helper import MAX_BATCH, DecodeHelper, private_floats
+from agentserve.executor.fused.helper import MAX_BATCH, DecodeHelper
 from agentserve.executor.kv_cache import KVCache
 from agentserve.executor.linear import HybridLinear, Linear, PackedFp16Linear
 
@@ -153,11 +153,11 @@ class FusedDecodeStep:
 
     def helper(self, max_batch: int = MAX_BATCH) -> DecodeHelper:
         """A decode helper (not started) for one-thread steps of up to ``max_batch`` sequences of this model."""
-        m = self._model
-        rows = [getattr(layer, name).rows for layer in self._layers for name in MATRICES]
+        m, chunk = self._model, self._library.fused_helper_chunk_floats
+        chunk.argtypes, chunk.restype = [ctypes.POINTER(_Model), _i32], _i64
         width = -(-m.max_positions // m.block_size)
         return DecodeHelper(self._library, max_batch, width, self._scratch_floats(ctypes.byref(m), max_batch),
-                            private_floats(rows, m.heads * m.dim, max_batch))
+                            chunk(ctypes.byref(m), max_batch))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, cache: KVCache, threads: int, helper: DecodeHelper | None = None) -> torch.Tensor:
