@@ -7,16 +7,17 @@
  * for a scheduler time slice.  Here the lane thread never waits for the helper for longer than about two chunks:
  *
  * - the lane thread posts a job (a product or a batch's attention, cut into chunks) and takes chunks from the front;
- *   the helper, spinning while a step runs, takes them from the back, computes each into its private buffer and
- *   copies it into the output only after marking the chunk as being copied;
+ *   the helper, spinning while a step runs, takes them from the back and computes each into the chunk's own slot of
+ *   its private buffer, then marks it ready (compare-and-swap); the lane thread copies ready chunks into the output;
  * - when the lane thread runs out of free chunks it waits for the helper's chunks for about two of its own chunk
- *   times, then takes back each one the helper has not started copying (compare-and-swap) and computes it itself;
- *   a helper that finishes a chunk taken back finds the swap failed and drops its result.
+ *   times, then takes back each one not yet ready (compare-and-swap) and computes it itself; a helper that finishes
+ *   a chunk taken back finds the swap failed and drops its result.  The helper never writes the step's memory.
  *
  * Every chunk's state word carries its job's id, so a helper that was descheduled in the middle of a job the lane
- * thread has since finished can neither claim nor publish anything of it.  What it reads while computing a stale
+ * thread has since finished can neither claim nor mark anything of it.  What it reads while computing a stale
  * chunk is memory that outlives it (helper.h); the block tables it reads are the helper's copies, two sets used
- * by alternate steps, so a step overwrites a set only once the helper has left the step before the previous one.
+ * by alternate shared steps, and a step whose set the helper may still be reading (it is still in the step before
+ * the previous one) runs without it.  No lane thread wait depends on the helper being scheduled again.
  * Results are bitwise those of one thread: a product's rows and a sequence's attention are computed by the same
  * code whichever thread runs them.
  *
@@ -41,7 +42,7 @@
 #define PAUSE() ((void)0)
 #endif
 
-enum { FREE = 0, MINE = 1, HELPING = 2, COPYING = 3, DONE = 4, TAKEN = 5 };
+enum { FREE = 0, MINE = 1, HELPING = 2, READY = 3, TAKEN = 4 };
 #define STATE(id, st) (((uint64_t)(id) << 3) | (st))
 #define STATE_OF(word) ((int)((word) & 7))
 #define SPIN_NS 50000      /* a helper with nothing to do spins this long before it sleeps */
@@ -89,15 +90,15 @@ static void wake_helper(Helper *h) {
 }
 
 /* A helper for steps of up to max_batch sequences with block tables up to max_width wide; scratch_floats: a step's
- * scratch at max_batch (fused_decode_scratch); private_floats: the largest chunk a job may give it.  NULL: no
- * memory. */
+ * scratch at max_batch (fused_decode_scratch); private_floats: the largest chunk a job may give it (a slot that
+ * size for each of a job's chunks).  NULL: no memory. */
 Helper *fused_helper_create(int max_batch, int max_width, int64_t scratch_floats, int64_t private_floats) {
     Helper *h = calloc(1, sizeof(Helper));
     if (h == NULL) return NULL;
     h->max_batch = max_batch, h->max_width = max_width;
     h->scratch_floats = scratch_floats, h->private_floats = private_floats;
     h->scratch = malloc(sizeof(float) * (size_t)scratch_floats);
-    h->private = malloc(sizeof(float) * (size_t)private_floats);
+    h->private = malloc(sizeof(float) * (size_t)private_floats * HELPER_MAX_CHUNKS); /* a slot per chunk */
     int ok = h->scratch != NULL && h->private != NULL;
     for (int i = 0; i < 2; i++) {
         h->tables[i] = malloc(sizeof(int64_t) * (size_t)max_batch * (size_t)max_width);
@@ -149,10 +150,12 @@ int helper_step_begin(Helper *h, int batch, int width, const int64_t *tables, co
                       const int64_t **tables_out, const int64_t **lens_out, float **scratch) {
     if (batch > h->max_batch || width > h->max_width || !atomic_load_explicit(&h->allowed, memory_order_relaxed))
         return 0;
-    const uint64_t step = ++h->step;
+    const uint64_t step = h->step + 1;
+    /* the set this step writes was last used two shared steps ago: if the helper is still in that step (descheduled
+     * in the middle of a chunk the lane thread took back), this step runs without it rather than wait */
+    if (step > 2 && atomic_load(&h->inside) == step - 2) return 0;
+    h->step = step;
     const int set = (int)(step & 1);
-    /* the set this step writes was last used two steps ago: wait until the helper has left that step */
-    while (step > 2 && atomic_load(&h->inside) == step - 2) PAUSE();
     memcpy(h->tables[set], tables, sizeof(int64_t) * (size_t)batch * (size_t)width);
     memcpy(h->lens[set], lens, sizeof(int64_t) * (size_t)batch);
     *tables_out = h->tables[set], *lens_out = h->lens[set], *scratch = h->scratch;
@@ -192,7 +195,14 @@ int helper_share(Helper *h, FusedJob *job) {
         for (;;) {
             uint64_t word = atomic_load_explicit(&h->state[c], memory_order_acquire);
             const int st = STATE_OF(word);
-            if (st == MINE || st == DONE || st == TAKEN) break;
+            if (st == MINE || st == TAKEN) break;
+            if (st == READY) { /* the helper's result, in chunk c's slot: it no longer touches that slot in this job */
+                const ChunkPlace p = fused_chunk_place(job, c);
+                const float *slot = h->private + (int64_t)c * h->private_floats;
+                for (int s = 0; s < p.segments; s++)
+                    memcpy(job->y + p.offset + s * p.stride, slot + s * p.len, sizeof(float) * (size_t)p.len);
+                break;
+            }
             if (st == FREE || (st == HELPING && now_ns() >= deadline)) {
                 if (!atomic_compare_exchange_strong(&h->state[c], &word, STATE(id, TAKEN))) continue;
                 if (st == HELPING) atomic_fetch_add_explicit(&h->taken_back, 1, memory_order_relaxed);
@@ -201,7 +211,7 @@ int helper_share(Helper *h, FusedJob *job) {
                 failed = failed ? failed : rc;
                 break;
             }
-            PAUSE(); /* HELPING within the grace, or COPYING (a few hundred floats) */
+            PAUSE(); /* HELPING within the grace */
         }
     }
     return failed;
@@ -221,7 +231,7 @@ static void help_with_job(Helper *h, uint64_t id, const FusedJob *job) {
             atomic_store(&h->inside, 0);
             return;
         }
-        const int rc = fused_run_chunk(job, c, h->private, p.len);
+        const int rc = fused_run_chunk(job, c, h->private + (int64_t)c * h->private_floats, p.len);
         if (h->stall_every > 0 && (atomic_load_explicit(&h->helped, memory_order_relaxed) +
                                    atomic_load_explicit(&h->taken_back, memory_order_relaxed)) %
                                           (uint64_t)h->stall_every == 0) {
@@ -229,12 +239,8 @@ static void help_with_job(Helper *h, uint64_t id, const FusedJob *job) {
             nanosleep(&nap, NULL);
         }
         uint64_t helping = STATE(id, HELPING);
-        if (rc == 0 && atomic_compare_exchange_strong(&h->state[c], &helping, STATE(id, COPYING))) {
-            for (int s = 0; s < p.segments; s++)
-                memcpy(job->y + p.offset + s * p.stride, h->private + s * p.len, sizeof(float) * (size_t)p.len);
+        if (rc == 0 && atomic_compare_exchange_strong(&h->state[c], &helping, STATE(id, READY)))
             atomic_fetch_add_explicit(&h->helped, 1, memory_order_relaxed);
-            atomic_store_explicit(&h->state[c], STATE(id, DONE), memory_order_release);
-        }
         atomic_store_explicit(&h->inside, 0, memory_order_release);
         if (rc != 0) return; /* left HELPING: the lane thread takes it back and reports the error */
     }

@@ -55,24 +55,26 @@ class DecodeHelper:
         self._cores: tuple[int, ...] = ()
         self.idle = False  # the thread runs at SCHED_IDLE
 
-    def start(self, cores: Sequence[int]) -> None:
-        """Start serving on a thread pinned to ``cores`` (not the lane thread's)."""
+    def start(self, cores: Sequence[int], idle: bool = True) -> None:
+        """Start serving on a thread pinned to ``cores`` (not the lane thread's), at ``SCHED_IDLE`` unless ``idle`` is
+        false (tests that need it to run beside other load)."""
         if self._thread is not None:
             raise EngineError("decode helper already started")
         self._cores = tuple(cores)
         ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(ready,), name="decode-helper", daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(ready, idle), name="decode-helper", daemon=True)
         self._thread.start()
         ready.wait()
 
-    def _serve(self, ready: threading.Event) -> None:
+    def _serve(self, ready: threading.Event, idle: bool) -> None:
         tid = threading.get_native_id()
         try:
             if self._cores:
                 os.sched_setaffinity(tid, self._cores)
             try:  # the orchestrator and the clients come first on its core: it takes only what they leave
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-                self.idle = True
+                if idle:
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                    self.idle = True
             except (OSError, AttributeError) as e:
                 log.info("decode helper keeps its scheduling policy: %s", e)
         finally:
