@@ -25,7 +25,6 @@
  * core); the lane thread wakes it at each step it may help. */
 #include "helper.h"
 
-#include <errno.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,7 +60,7 @@ struct Helper {
     float *scratch, *private;
     int64_t *tables[2], *lens[2];
     int stall_every, stall_us;   /* tests: the helper sleeps stall_us in every stall_every-th chunk it takes */
-    _Atomic uint64_t helped, taken_back, steps; /* chunks the helper wrote; chunks taken back from it; steps shared */
+    _Atomic uint64_t helped, taken_back, steps; /* chunks the helper made ready; chunks taken back from it; steps */
 };
 
 static uint64_t now_ns(void) {

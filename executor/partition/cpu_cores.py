@@ -239,7 +239,7 @@ class CpuCoresBackend(PartitionBackend):
     @contextmanager
     def _beside(helper: DecodeHelper | None, binding: LaneBinding) -> Iterator[None]:
         """A decode lane thread whose cores include the helper's (the top rung) runs its step on the others: on the
-        helper's core the two would take turns (the helper spins between the step's products)."""
+        helper's core the helper, at ``SCHED_IDLE``, would get no time beside it."""
         own = tuple(c for c in binding.cores if helper is not None and c not in helper.cores)
         if helper is None or not own or len(own) == len(binding.cores):
             yield
