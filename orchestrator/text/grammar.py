@@ -13,9 +13,10 @@ constrained to ``{"name": <one of the tools>, "arguments": <that tool's paramete
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import llguidance
 
@@ -35,6 +36,23 @@ class GrammarError(ValueError):
         self.param = param
 
 
+T = TypeVar("T")
+
+
+def _llguidance(call: Callable[[], T], what: str) -> T:
+    """``call()`` into llguidance, its refusals and its panics as :class:`GrammarError` (``what`` failed).  A Rust panic
+    arrives as pyo3's ``PanicException``, a ``BaseException``: uncaught it ended the orchestrator (seen on a fuzzed
+    schema whose error message llguidance cut inside a multi-byte character)."""
+    try:
+        return call()
+    except (ValueError, TypeError, RuntimeError) as e:  # RecursionError is a RuntimeError
+        raise GrammarError(f"{what}: {e}") from None
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - pyo3's PanicException
+        raise GrammarError(f"{what}: llguidance failed ({type(e).__name__}: {e})") from None
+
+
 @lru_cache(maxsize=4)
 def ll_tokenizer(tokenizer_json: str, vocab_size: int | None, eos_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
     """llguidance's view of a checkpoint's ``tokenizer.json`` (built once per process and model)."""
@@ -43,10 +61,8 @@ def ll_tokenizer(tokenizer_json: str, vocab_size: int | None, eos_ids: tuple[int
 
 
 def _schema_grammar(schema: dict[str, Any]) -> str:
-    try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except (ValueError, TypeError, RuntimeError) as e:  # RecursionError is a RuntimeError
-        raise GrammarError(f"the JSON schema cannot be compiled: {e}") from None
+    return _llguidance(lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS),
+                       "the JSON schema cannot be compiled")
 
 
 def json_schema_grammar(schema_text: str) -> str:
@@ -102,14 +118,12 @@ def tool_call_grammar(fmt: ToolCallFormat, tools: list[dict[str, Any]], choice: 
         call, sep = f'{opened} "\\n" body "\\n" {closed}', '"\\n"'
     repeat = f"({sep} {call})*" if parallel else ""
     lark = f"start: {call} {repeat}\nbody: %json {body}\n"
-    try:
-        return llguidance.LLMatcher.grammar_from_lark(lark)
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise GrammarError(f"the tools' schemas cannot be compiled: {e}") from None
+    return _llguidance(lambda: llguidance.LLMatcher.grammar_from_lark(lark), "the tools' schemas cannot be compiled")
 
 
 def check(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:
     """Raise :class:`GrammarError` if llguidance refuses ``grammar`` for this tokenizer."""
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    is_error, messages = _llguidance(lambda: llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer),
+                                     "the grammar cannot be checked")
     if is_error:
         raise GrammarError(f"the grammar is invalid: {'; '.join(messages)}")

@@ -92,3 +92,40 @@ def test_badly_shaped_tools_are_a_grammar_error(tools) -> None:
 def test_a_schema_nested_past_the_recursion_limit_is_a_grammar_error() -> None:
     with pytest.raises(GrammarError, match="nested too deeply"):
         json_schema_grammar("[" * 60_000)
+
+
+class _Panic(BaseException):
+    """What pyo3 raises for a Rust panic (``pyo3_runtime.PanicException`` derives from ``BaseException``)."""
+
+
+@pytest.mark.parametrize("where", ["grammar_from_json_schema", "grammar_from_lark", "validate_grammar_with_warnings"])
+def test_a_panic_inside_llguidance_is_the_clients_error_not_the_orchestrators_end(monkeypatch, where):
+    """A fuzzed schema once made llguidance panic (it cut an error message inside a multi-byte character); uncaught,
+    the panic ended the orchestrator.  Every call into llguidance turns one into :class:`GrammarError`, and lets
+    an interrupt through."""
+    import llguidance
+
+    from agentserve.orchestrator.text.grammar import check, ll_tokenizer
+
+    def panics(*args, **kwargs):
+        raise _Panic("end byte index 100 is not a char boundary")
+
+    monkeypatch.setattr(llguidance.LLMatcher, where, panics)
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "string"}}})
+    tokenizer = ll_tokenizer(str(resolve_model("tiny") / "tokenizer.json"), None, ())
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(GrammarError, match="llguidance failed"):
+        if where == "grammar_from_lark":
+            tool_call_grammar(HermesFormat(), tools, "required", False)
+        else:
+            check(json_schema_grammar(schema), tokenizer)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llguidance.LLMatcher, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        if where == "grammar_from_lark":
+            tool_call_grammar(HermesFormat(), tools, "required", False)
+        else:
+            check(json_schema_grammar(schema), tokenizer)
