@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from agentserve.executor.fused.helper import DecodeHelper
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk
 
 PREFILL_LENS = (256, 1024, 4096)
@@ -72,10 +73,10 @@ def tokens(n: int, vocab: int, seed: int) -> list[int]:
 
 
 class RunnerSide:
-    """ModelRunner; every sequence gets private, linearly allocated blocks."""
+    """ModelRunner; every sequence gets private, linearly allocated blocks; decode steps shared with ``helper``."""
 
-    def __init__(self, runner: ModelRunner, context: int) -> None:
-        self.r, self.context = runner, context
+    def __init__(self, runner: ModelRunner, context: int, helper: DecodeHelper | None = None) -> None:
+        self.r, self.context, self.helper = runner, context, helper
         self.vocab, self.bs = runner.config.vocab_size, runner.block_size
 
     def prefill_fn(self, n: int) -> Callable[[], object]:
@@ -97,7 +98,7 @@ class RunnerSide:
         pos = [context]
 
         def step() -> None:
-            self.r.decode([DecodeItem(7, pos[0], t) for t in tables])
+            self.r.decode([DecodeItem(7, pos[0], t) for t in tables], helper=self.helper)
             pos[0] += 1
 
         return step
@@ -172,6 +173,9 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--context", type=int, default=CONTEXT, help="cached tokens per decode sequence")
     ap.add_argument("--json", action="store_true", help="print the result as one line of JSON")
+    ap.add_argument("--decode-helper", action="store_true",
+                    help="also time agentserve[decode_helper]: one-thread decode steps shared with the decode helper "
+                         "(the calling thread pinned to the first CPU, the helper on the others, as in a server)")
     args = ap.parse_args()
 
     from agentserve.executor.builtin import resolve_model
@@ -189,6 +193,7 @@ def main() -> None:
         other = ModelRunner(path, device=args.device, num_blocks=blocks, **kwargs)
         sides[f"agentserve[{spec}]"] = RunnerSide(other, args.context)
         engines[f"agentserve[{spec}]"] = describe(other)
+    helper = _helper_side(args, path, blocks, sides, engines) if args.decode_helper else None
     if not args.no_hf:
         sides["transformers_eager"] = HFSide(path, runner.dtype, runner.device, args.context)
     bw = copy_bandwidth(runner.device)
@@ -210,7 +215,28 @@ def main() -> None:
         ours["decode_tokens_per_s"]["32"] / ours["decode_tokens_per_s"]["1"], 2)
     if "transformers_eager" in result:
         result["agentserve_vs_transformers"] = ratios(ours, result["transformers_eager"])
+    if helper is not None:
+        result["decode_helper_counts"] = helper.counts()
+        helper.close()
     print(json.dumps(result, indent=None if args.json else 2))
+
+
+def _helper_side(args: argparse.Namespace, path: Path, blocks: int, sides: dict, engines: dict) -> DecodeHelper:
+    """A second runner whose decode steps the decode helper shares, as the server's decode lane does: one intra-op
+    thread on the first CPU, the helper (at ``SCHED_IDLE``) on the others."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if torch.get_num_threads() != 1 or len(cpus) < 2:
+        raise SystemExit("--decode-helper needs --threads 1 and a second CPU (the helper runs beside the lane thread)")
+    other = ModelRunner(path, dtype=args.dtype, device=args.device, num_blocks=blocks, weights=args.weights,
+                        kv_cache_dtype=args.kv_cache_dtype)
+    helper = other.new_decode_helper()
+    if helper is None:
+        raise SystemExit("--decode-helper needs the fused CPU decode step")
+    os.sched_setaffinity(0, cpus[:1])
+    helper.start(cpus[1:])
+    sides["agentserve[decode_helper]"] = RunnerSide(other, args.context, helper)
+    engines["agentserve[decode_helper]"] = describe(other)
+    return helper
 
 
 if __name__ == "__main__":
