@@ -183,17 +183,18 @@ def main() -> None:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     path = resolve_model(args.model)
     blocks = max(DECODE_BATCHES) * -(-(args.context + args.steps + 8) // 16) + max(PREFILL_LENS) // 16
-    runner = ModelRunner(path, dtype=args.dtype, device=args.device, num_blocks=blocks, weights=args.weights,
-                         kv_cache_dtype=args.kv_cache_dtype)
+    def new_runner(**changed: str) -> ModelRunner:
+        settings = {"dtype": args.dtype, "weights": args.weights, "kv_cache_dtype": args.kv_cache_dtype} | changed
+        return ModelRunner(path, device=args.device, num_blocks=blocks, **settings)
+
+    runner = new_runner()
     sides: dict = {"agentserve": RunnerSide(runner, args.context)}
     engines = {}
     for spec in args.also:
-        kwargs = {"dtype": args.dtype, "weights": args.weights, "kv_cache_dtype": args.kv_cache_dtype}
-        kwargs |= dict(kv.split("=", 1) for kv in spec.split(","))
-        other = ModelRunner(path, device=args.device, num_blocks=blocks, **kwargs)
+        other = new_runner(**dict(kv.split("=", 1) for kv in spec.split(",")))
         sides[f"agentserve[{spec}]"] = RunnerSide(other, args.context)
         engines[f"agentserve[{spec}]"] = describe(other)
-    helper = _helper_side(args, path, blocks, sides, engines) if args.decode_helper else None
+    helper = _helper_side(args.context, new_runner(), sides, engines) if args.decode_helper else None
     if not args.no_hf:
         sides["transformers_eager"] = HFSide(path, runner.dtype, runner.device, args.context)
     bw = copy_bandwidth(runner.device)
@@ -221,20 +222,18 @@ def main() -> None:
     print(json.dumps(result, indent=None if args.json else 2))
 
 
-def _helper_side(args: argparse.Namespace, path: Path, blocks: int, sides: dict, engines: dict) -> DecodeHelper:
-    """A second runner whose decode steps the decode helper shares, as the server's decode lane does: one intra-op
-    thread on the first CPU, the helper (at ``SCHED_IDLE``) on the others."""
+def _helper_side(context: int, other: ModelRunner, sides: dict, engines: dict) -> DecodeHelper:
+    """``other`` (a second runner) with its decode steps shared by the decode helper, as the server's decode lane
+    does: one intra-op thread on the first CPU, the helper (at ``SCHED_IDLE``) on the others."""
     cpus = sorted(os.sched_getaffinity(0))
     if torch.get_num_threads() != 1 or len(cpus) < 2:
         raise SystemExit("--decode-helper needs --threads 1 and a second CPU (the helper runs beside the lane thread)")
-    other = ModelRunner(path, dtype=args.dtype, device=args.device, num_blocks=blocks, weights=args.weights,
-                        kv_cache_dtype=args.kv_cache_dtype)
     helper = other.new_decode_helper()
     if helper is None:
         raise SystemExit("--decode-helper needs the fused CPU decode step")
     os.sched_setaffinity(0, cpus[:1])
     helper.start(cpus[1:])
-    sides["agentserve[decode_helper]"] = RunnerSide(other, args.context, helper)
+    sides["agentserve[decode_helper]"] = RunnerSide(other, context, helper)
     engines["agentserve[decode_helper]"] = describe(other)
     return helper
 

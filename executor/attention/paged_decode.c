@@ -633,45 +633,34 @@ int paged_decode_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_
                         width, scale, threads, 1);
 }
 
-/* One sequence's attention for its KV heads [kv0, kv1) only: q and out point at the first of their query heads'
- * rows ((kv1 - kv0) * heads / kv_heads rows of dim); k_cache and v_cache are the whole caches.  Each head's
- * numbers are those the whole call computes for it (every head's walk is its own): the fused decode step's helper
- * shares one sequence's attention this way.  Returns as paged_decode_f32, and -1 for a head range outside
+/* One sequence's attention for its KV heads [kv0, kv1) only, over fp16 caches (cache_f16) or fp32 ones: q and out
+ * point at the first of their query heads' rows ((kv1 - kv0) * heads / kv_heads rows of dim); k_cache and v_cache
+ * are the whole caches.  Each head's numbers are those the whole call computes for it (every head's walk is its
+ * own): the fused decode step's helper shares one sequence's attention this way (the step calls it, not Python, so
+ * one entry point takes either cache).  Returns as paged_decode_f32 / _f16, and -1 for a head range outside
  * [0, kv_heads). */
-INLINE int paged_decode_heads(const float *q, const void *k_cache, const void *v_cache, int64_t num_blocks,
-                              const int64_t *table, const int64_t *len, float *out, int heads, int kv_heads, int kv0,
-                              int kv1, int dim, int block_size, int width, float scale, const int f16) {
+int paged_decode_heads(const float *q, const void *k_cache, const void *v_cache, int64_t num_blocks,
+                       const int64_t *table, const int64_t *len, float *out, int heads, int kv_heads, int kv0, int kv1,
+                       int dim, int block_size, int width, float scale, int cache_f16) {
+    if (cache_f16 && !HAVE_F16) return -4;
     if (!paged_decode_supports(heads, kv_heads, dim, block_size) || kv0 < 0 || kv1 > kv_heads || kv0 >= kv1)
         return -1;
     if (!valid_tables(table, len, 1, width, block_size, num_blocks)) return -2;
     const int group = heads / kv_heads;
     const Shape sh = {(kv1 - kv0) * group, kv1 - kv0, dim, block_size, scale, kv_heads};
     float m[MAX_HEADS], l[MAX_HEADS];
-    const int64_t skip = (int64_t)kv0 * dim * (f16 ? 2 : 4);
+    const int64_t skip = (int64_t)kv0 * dim * (cache_f16 ? 2 : 4);
+    const char *k = (const char *)k_cache + skip, *v = (const char *)v_cache + skip;
 #ifdef __SSE__
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040); /* FTZ | DAZ, as paged_decode's threads */
 #endif
-    attend_group_as(q, (const char *)k_cache + skip, (const char *)v_cache + skip, table, len, out, m, l, 0, 1, width,
-                    sh, dim, f16);
+    if (cache_f16) /* the element type as a constant inside the walk */
+        attend_group_as(q, k, v, table, len, out, m, l, 0, 1, width, sh, dim, 1);
+    else
+        attend_group_as(q, k, v, table, len, out, m, l, 0, 1, width, sh, dim, 0);
 #ifdef __SSE__
     _mm_setcsr(csr);
 #endif
     return 0;
-}
-
-int paged_decode_heads_f32(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
-                           const int64_t *table, const int64_t *len, float *out, int heads, int kv_heads, int kv0,
-                           int kv1, int dim, int block_size, int width, float scale) {
-    return paged_decode_heads(q, k_cache, v_cache, num_blocks, table, len, out, heads, kv_heads, kv0, kv1, dim,
-                              block_size, width, scale, 0);
-}
-
-/* As paged_decode_heads_f32 over fp16 caches; -4 where the build has no F16C. */
-int paged_decode_heads_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t num_blocks,
-                           const int64_t *table, const int64_t *len, float *out, int heads, int kv_heads, int kv0,
-                           int kv1, int dim, int block_size, int width, float scale) {
-    if (!HAVE_F16) return -4;
-    return paged_decode_heads(q, k_cache, v_cache, num_blocks, table, len, out, heads, kv_heads, kv0, kv1, dim,
-                              block_size, width, scale, 1);
 }

@@ -55,12 +55,9 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
 int paged_decode_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t num_blocks,
                      const int64_t *tables, const int64_t *lens, float *out, int batch, int heads, int kv_heads,
                      int dim, int block_size, int width, float scale, int threads);
-int paged_decode_heads_f32(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
-                           const int64_t *table, const int64_t *len, float *out, int heads, int kv_heads, int kv0,
-                           int kv1, int dim, int block_size, int width, float scale);
-int paged_decode_heads_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t num_blocks,
-                           const int64_t *table, const int64_t *len, float *out, int heads, int kv_heads, int kv0,
-                           int kv1, int dim, int block_size, int width, float scale);
+int paged_decode_heads(const float *q, const void *k_cache, const void *v_cache, int64_t num_blocks,
+                       const int64_t *table, const int64_t *len, float *out, int heads, int kv_heads, int kv0, int kv1,
+                       int dim, int block_size, int width, float scale, int cache_f16);
 
 int fused_decode_available(void) { return HAVE_FUSED; }
 
@@ -300,11 +297,8 @@ int fused_run_chunk(const FusedJob *job, int c, float *out, int64_t ld) {
     const ChunkPlace p = fused_chunk_place(job, c);
     const float *q = job->x + p.offset; /* the queries lie as the output: [batch, heads, dim] */
     const int64_t *table = job->tables + (int64_t)b * job->width, *len = job->lens + b;
-    return m->cache_f16
-        ? paged_decode_heads_f16(q, L->k_cache, L->v_cache, m->num_blocks, table, len, out, m->heads, m->kv_heads,
-                                 kv0, kv1, m->dim, m->block_size, job->width, m->scale)
-        : paged_decode_heads_f32(q, L->k_cache, L->v_cache, m->num_blocks, table, len, out, m->heads, m->kv_heads,
-                                 kv0, kv1, m->dim, m->block_size, job->width, m->scale);
+    return paged_decode_heads(q, L->k_cache, L->v_cache, m->num_blocks, table, len, out, m->heads, m->kv_heads, kv0,
+                              kv1, m->dim, m->block_size, job->width, m->scale, m->cache_f16);
 }
 
 static int layer_step(const Model *m, const Layer *L, float *x, const int64_t *positions, const int64_t *slots,

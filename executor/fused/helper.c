@@ -56,7 +56,7 @@ struct Helper {
     _Atomic uint64_t inside;     /* the step the helper is computing a chunk of, 0 between chunks */
     uint64_t step;               /* the lane thread's step count (its own) */
     int max_batch, max_width;
-    int64_t scratch_floats, private_floats;
+    int64_t private_floats;
     float *scratch, *private;
     int64_t *tables[2], *lens[2];
     int stall_every, stall_us;   /* tests: the helper sleeps stall_us in every stall_every-th chunk it takes */
@@ -88,6 +88,8 @@ static void wake_helper(Helper *h) {
 #endif
 }
 
+void fused_helper_destroy(Helper *h);
+
 /* A helper for steps of up to max_batch sequences with block tables up to max_width wide; scratch_floats: a step's
  * scratch at max_batch (fused_decode_scratch); private_floats: the largest chunk a job may give it (a slot that
  * size for each of a job's chunks).  NULL: no memory. */
@@ -95,7 +97,7 @@ Helper *fused_helper_create(int max_batch, int max_width, int64_t scratch_floats
     Helper *h = calloc(1, sizeof(Helper));
     if (h == NULL) return NULL;
     h->max_batch = max_batch, h->max_width = max_width;
-    h->scratch_floats = scratch_floats, h->private_floats = private_floats;
+    h->private_floats = private_floats;
     h->scratch = malloc(sizeof(float) * (size_t)scratch_floats);
     h->private = malloc(sizeof(float) * (size_t)private_floats * HELPER_MAX_CHUNKS); /* a slot per chunk */
     int ok = h->scratch != NULL && h->private != NULL;
@@ -106,9 +108,7 @@ Helper *fused_helper_create(int max_batch, int max_width, int64_t scratch_floats
     }
     atomic_store(&h->allowed, 1);
     if (!ok) {
-        free(h->scratch), free(h->private);
-        for (int i = 0; i < 2; i++) free(h->tables[i]), free(h->lens[i]);
-        free(h);
+        fused_helper_destroy(h);
         return NULL;
     }
     return h;
