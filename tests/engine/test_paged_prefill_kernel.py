@@ -30,6 +30,7 @@ from engine_helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agentserve.executor import attention
 from agentserve.executor.attention import AttentionBatch, cpu_prefill, cpu_prefill_kernel, create_backend
 from agentserve.executor.attention.torch_backend import TorchAttention
 from agentserve.executor.errors import EngineError
@@ -272,7 +273,9 @@ def prefill_kernel(setting: str, bf16_rows: bool, backend: str = "auto"):
     return create_backend(backend, 4, 2, 32, 16, CPU, F32, torch.float16, setting, bf16_rows).prefill_kernel
 
 
-def test_auto_attends_in_bf16_only_where_prefill_rows_already_are(kernel):
+def test_auto_attends_in_bf16_only_where_prefill_rows_already_are(kernel, monkeypatch):
+    """Without AMX tiles (with them ``auto`` attends through PyTorch's bf16 path instead: its own test)."""
+    monkeypatch.setattr(attention, "cpu_has_amx", lambda: False)
     assert prefill_kernel("auto", bf16_rows=True) is kernel
     assert prefill_kernel("auto", bf16_rows=False) is not kernel  # fp32 (or packed fp16) prefill products stay fp32
     assert prefill_kernel("bf16", bf16_rows=False) is kernel  # reachable by its flag on any matrices
@@ -322,11 +325,12 @@ def test_an_fp32_runner_through_the_kernel_is_token_exact_against_transformers(f
     assert greedy_generate(runner, case.prompts, MAX_NEW, chunk_size) == case.expected
 
 
-def test_a_hybrid_runner_prefills_through_the_kernel_within_bf16_tolerance(kernel, bf16_checkpoints):
+def test_a_hybrid_runner_prefills_through_the_kernel_within_bf16_tolerance(kernel, bf16_checkpoints, monkeypatch):
     """``auto`` on a hybrid model: chunks of more than one token attend through the kernel; logits of a whole
     prompt and of the same prompt resumed in two chunks stay within the bf16 tolerance of transformers, and
     differ from PyTorch's fp32 attention by no more than bf16 rounding."""
     path, hf = bf16_checkpoints["qwen3_headdim"]  # head size 32
+    monkeypatch.setattr(attention, "cpu_has_amx", lambda: False)  # with AMX tiles auto attends through PyTorch
     runs = {}
     for setting in ("auto", "torch"):
         runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64, block_size=8, weights="hybrid",
@@ -342,6 +346,7 @@ def test_a_hybrid_runner_prefills_through_the_kernel_within_bf16_tolerance(kerne
 
 FALLBACK = r"""
 import json, sys
+from agentserve.executor import attention
 from agentserve.executor.attention import cpu_prefill
 from agentserve.executor.errors import EngineError
 from agentserve.executor.kernels import build
@@ -349,6 +354,7 @@ from agentserve.executor.runner import ModelRunner
 
 out = {"library": build.library() is not None, "bf16": cpu_prefill.load("bf16") is not None,
        "fp32": cpu_prefill.load("fp32") is not None}
+attention.cpu_has_amx = lambda: False  # the CPUs these builds stand for have no AMX tiles either
 runner = ModelRunner(sys.argv[1], dtype="float32", device="cpu", num_blocks=8, weights="hybrid")
 out["auto"] = runner.prefill_kernel and runner.prefill_kernel.variant
 for setting in ("bf16", "fp32"):

@@ -41,7 +41,17 @@ def test_chat_logprobs_shape_and_streamed_equal_whole(openai_client) -> None:
         # greedy: the chosen token is the most likely one
         assert entry.top_logprobs[0].token == entry.token and math.isclose(tops[0], entry.logprob, abs_tol=1e-5)
     streamed, _ = chat_logprobs(openai_client, stream=True)
-    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in whole]
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    assert_same_logprobs([e.logprob for e in streamed], [e.logprob for e in whole])
+    for s, w in zip(streamed, whole, strict=True):
+        assert_same_logprobs([t.logprob for t in s.top_logprobs], [t.logprob for t in w.top_logprobs])
+
+
+def assert_same_logprobs(again: list[float], first: list[float]) -> None:
+    """A repeated request's logprobs against the first's.  The repeat finds the prompt's blocks cached and prefills
+    only its tail, whose steps add up in another order; where prefill attends in bf16 through PyTorch (AMX CPUs)
+    that rounds differently by a few thousandths, so equal within 0.01 rather than bitwise."""
+    assert again == pytest.approx(first, abs=1e-2)
 
 
 def test_no_logprobs_unless_asked(openai_client) -> None:
@@ -88,8 +98,9 @@ def test_completion_logprobs_streamed_equal_whole(http) -> None:
     with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     parts = [e["choices"][0]["logprobs"] for e in events if e["choices"] and e["choices"][0]["logprobs"]]
-    for key in ("tokens", "token_logprobs", "text_offset"):
+    for key in ("tokens", "text_offset"):
         assert [v for p in parts for v in p[key]] == whole[key], key
+    assert_same_logprobs([v for p in parts for v in p["token_logprobs"]], whole["token_logprobs"])
 
 
 def completion(http, body: dict, stream: bool) -> tuple[str, dict[str, list]]:
@@ -230,10 +241,9 @@ def test_chat_logprobs_leave_out_the_tokens_a_stop_string_cut(http, stream: bool
 
 
 def assert_same_entries(got: list[dict], want: list[dict]) -> None:
-    """The same tokens; their logprobs equal up to float noise (the second request's prompt comes from the prefix
-    cache, whose steps add up in another order)."""
+    """The same tokens; their logprobs equal as a repeated request's are (:func:`assert_same_logprobs`)."""
     assert [(e["token"], e["bytes"]) for e in got] == [(e["token"], e["bytes"]) for e in want]
-    assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in want], abs=1e-4)
+    assert_same_logprobs([e["logprob"] for e in got], [e["logprob"] for e in want])
 
 
 @pytest.mark.parametrize("stream", [False, True])
