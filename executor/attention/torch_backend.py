@@ -113,6 +113,15 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, buffers: GatherBuffers | 
     return out.view(*blocks.shape[:-1], -1, *cache.shape[2:])
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``; fp16 to bf16 through fp32, the same values: PyTorch's CPU cast between the two 16-bit types
+    runs at about half the speed of the two vectorised casts (on AMX, the casts of an fp16 cache's gathered keys and
+    values for bf16 attention: 6.0 ms of a 32.5 ms resume step, 3.9 ms this way)."""
+    if t.dtype == torch.float16 and dtype == torch.bfloat16:
+        return t.float().to(dtype)
+    return t.to(dtype)
+
+
 def _run_start(blocks: list[int]) -> int | None:
     """The first block when ``blocks`` are consecutive ids (their K/V are one slice of the cache), else None.
 
@@ -225,7 +234,7 @@ class TorchAttention(AttentionBackend):
                 cv = _gather(v_cache, c.blocks, meta.buffers, ("v", i))[: c.end - c.begin + c.start]
             dtype = self.prefill_dtype or q.dtype
             if ck.dtype != dtype:  # an fp16 cache widened, or copies for bf16 attention
-                ck, cv, qc = ck.to(dtype), cv.to(dtype), qc.to(dtype)
+                ck, cv, qc = _cast(ck, dtype), _cast(cv, dtype), qc.to(dtype)
             attend = self._sdpa_chunk if self.sdpa_prefill else self._flash_chunk
             out[c.begin : c.end] = attend(qc, ck, cv, c.start)  # back to q's dtype
         if meta.decode is not None:

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import agentserve.executor.attention as attention
+import agentserve.executor.attention.torch_backend as torch_backend
 from agentserve.executor.attention import AttentionBatch, create_backend, torch_prefill_dtype
 from agentserve.executor.attention.torch_backend import CPU_ROW_BLOCK, TorchAttention
 from agentserve.executor.errors import EngineError
@@ -129,3 +130,14 @@ def test_it_fails_clearly_off_a_float32_cpu_model():
         torch_prefill_dtype("torch-bf16", torch.device("cuda"), F32, True)
     with pytest.raises(EngineError, match="unknown prefill_attention 'bf17'"):
         torch_prefill_dtype("bf17", CPU, F32, True)
+
+
+def test_the_fp16_cache_cast_to_bf16_goes_through_fp32_to_the_same_values():
+    """Every fp16 bit pattern: the two-step cast the bf16 copies take gives PyTorch's direct cast's values."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    direct, two_step = every.to(torch.bfloat16), torch_backend._cast(every, torch.bfloat16)
+    assert two_step.dtype == torch.bfloat16
+    assert torch.equal(direct.isnan(), two_step.isnan())
+    kept = ~direct.isnan()
+    assert torch.equal(direct[kept].view(torch.int16), two_step[kept].view(torch.int16))
+    assert torch_backend._cast(every, torch.float32).dtype == torch.float32
