@@ -3,14 +3,38 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+ROW_BLOCK = 256  # rows per pass of a row-wise layer over a long CPU chunk (see by_row_blocks)
+
+
+def by_row_blocks(f: Callable[..., torch.Tensor], x: torch.Tensor, *rowwise: torch.Tensor) -> torch.Tensor:
+    """``f(x, *rowwise)`` where each output row depends only on the same row of ``x`` and of ``rowwise``: on the
+    CPU, for more than :data:`ROW_BLOCK` rows, computed a block of rows at a time — the same values, but the
+    temporaries of ``f``'s several passes stay in the core's L2 instead of streaming through memory (a 4,096-token
+    prefill chunk's ``[4096, 512]`` fp32 activations are 8 MB; on an AMX VM with 4 MiB of L2 per core RoPE and
+    RMSNorm ran 3-9 % of the prefill faster in blocks)."""
+    rows = x.shape[0]
+    if x.device.type != "cpu" or rows <= ROW_BLOCK:
+        return f(x, *rowwise)
+    first = f(x[:ROW_BLOCK], *(t[:ROW_BLOCK] for t in rowwise))
+    out = first.new_empty((rows, *first.shape[1:]))
+    out[:ROW_BLOCK] = first
+    for r in range(ROW_BLOCK, rows, ROW_BLOCK):
+        out[r : r + ROW_BLOCK] = f(x[r : r + ROW_BLOCK], *(t[r : r + ROW_BLOCK] for t in rowwise))
+    return out
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 and cast back before the weight multiply (as transformers does)."""
+    return by_row_blocks(lambda rows: _rms_norm(rows, weight, eps), x)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -66,5 +90,8 @@ class Rotary:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ([T, heads, head_dim]) with the rotate-half convention of transformers."""
+        return by_row_blocks(self._rotate, x, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x[..., : self.half], x[..., self.half :]
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
