@@ -145,8 +145,8 @@ def cpu_prefill_kernel(setting: str, name: str, num_heads: int, num_kv_heads: in
 def torch_prefill_dtype(setting: str, device: torch.device, dtype: torch.dtype, bf16_rows: bool) -> torch.dtype | None:
     """bf16 where PyTorch attends prefill chunks on bf16 copies of their queries, keys and values (fp32 results):
     ``torch-bf16``, and ``auto`` where the CPU has AMX tiles and prefill rows already multiply in bf16 — PyTorch's
-    bf16 flash attention runs on the tiles there (on an AMX Xeon this engine prefilled 4,096 tokens 1.8-2.0x as fast
-    as with the compiled bf16 kernel, docs/benchmarks.md); else None (the model's dtype).  ``torch-bf16`` off a
+    bf16 flash attention runs on the tiles there (on an AMX Xeon this engine prefilled 4,096 tokens 1.8x as fast as
+    with the compiled bf16 kernel, docs/benchmarks.md); else None (the model's dtype).  ``torch-bf16`` off a
     float32 CPU model raises :class:`EngineError`."""
     if setting not in PREFILL_ATTENTION:
         raise EngineError(f"unknown prefill_attention {setting!r}; available: {', '.join(PREFILL_ATTENTION)}")
