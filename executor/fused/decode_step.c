@@ -266,6 +266,15 @@ static int attend(const Model *m, const Layer *L, const float *q, const int64_t 
                            m->dim, m->block_size, width, m->scale, threads);
 }
 
+/* An attention job's chunks per sequence; chunk c attends KV heads [*kv0, *kv1) of sequence c / that count. */
+static int chunk_heads(const FusedJob *job, int c, int *kv0, int *kv1) {
+    const int kv_heads = ((const Model *)job->model)->kv_heads, per = job->kv_per_chunk;
+    const int parts = (kv_heads + per - 1) / per;
+    *kv0 = c % parts * per;
+    *kv1 = *kv0 + per < kv_heads ? *kv0 + per : kv_heads;
+    return parts;
+}
+
 ChunkPlace fused_chunk_place(const FusedJob *job, int c) {
     if (job->kind == JOB_PRODUCT) {
         const int64_t rows = ((const Mat *)job->mat)->rows, r0 = c * job->chunk_rows;
@@ -274,9 +283,8 @@ ChunkPlace fused_chunk_place(const FusedJob *job, int c) {
     }
     const Model *m = job->model;
     const int64_t q_size = (int64_t)m->heads * m->dim, head_rows = (int64_t)(m->heads / m->kv_heads) * m->dim;
-    const int parts = (m->kv_heads + job->kv_per_chunk - 1) / job->kv_per_chunk; /* chunks per sequence */
-    const int kv0 = c % parts * job->kv_per_chunk;
-    const int kv1 = kv0 + job->kv_per_chunk < m->kv_heads ? kv0 + job->kv_per_chunk : m->kv_heads;
+    int kv0, kv1;
+    const int parts = chunk_heads(job, c, &kv0, &kv1);
     const int64_t len = (kv1 - kv0) * head_rows;
     return (ChunkPlace){.offset = c / parts * q_size + kv0 * head_rows, .len = len, .stride = len, .segments = 1};
 }
@@ -290,10 +298,9 @@ int fused_run_chunk(const FusedJob *job, int c, float *out, int64_t ld) {
     }
     const Model *m = job->model;
     const Layer *L = job->layer;
-    const int parts = (m->kv_heads + job->kv_per_chunk - 1) / job->kv_per_chunk, b = c / parts;
+    int kv0, kv1;
+    const int parts = chunk_heads(job, c, &kv0, &kv1), b = c / parts;
     if (parts == 1) return attend(m, L, job->x, job->tables, job->lens, job->width, b, b + 1, out, 1);
-    const int kv0 = c % parts * job->kv_per_chunk;
-    const int kv1 = kv0 + job->kv_per_chunk < m->kv_heads ? kv0 + job->kv_per_chunk : m->kv_heads;
     const ChunkPlace p = fused_chunk_place(job, c);
     const float *q = job->x + p.offset; /* the queries lie as the output: [batch, heads, dim] */
     const int64_t *table = job->tables + (int64_t)b * job->width, *len = job->lens + b;

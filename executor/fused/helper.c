@@ -166,6 +166,13 @@ int helper_step_begin(Helper *h, int batch, int width, const int64_t *tables, co
 
 void helper_step_end(Helper *h) { atomic_store_explicit(&h->active, 0, memory_order_release); }
 
+/* Lane thread: compute chunk c into its place in the job's output; a first error is kept in *failed. */
+static void run_here(const FusedJob *job, int c, int *failed) {
+    const ChunkPlace p = fused_chunk_place(job, c);
+    const int rc = fused_run_chunk(job, c, job->y + p.offset, p.stride);
+    if (*failed == 0) *failed = rc;
+}
+
 /* Lane thread: run a job, sharing its chunks with the helper; returns when every chunk is in its output. */
 int helper_share(Helper *h, FusedJob *job) {
     if (job->chunks > HELPER_MAX_CHUNKS) return -6;
@@ -183,9 +190,7 @@ int helper_share(Helper *h, FusedJob *job) {
     for (int c = 0; c < chunks; c++) { /* the front, while chunks are free */
         uint64_t free_word = STATE(id, FREE);
         if (!atomic_compare_exchange_strong(&h->state[c], &free_word, STATE(id, MINE))) break;
-        const ChunkPlace p = fused_chunk_place(job, c);
-        const int rc = fused_run_chunk(job, c, job->y + p.offset, p.stride);
-        failed = failed ? failed : rc;
+        run_here(job, c, &failed);
         mine++;
     }
     const uint64_t ended = now_ns(), per_chunk = mine ? (ended - start) / (uint64_t)mine : 0;
@@ -205,9 +210,7 @@ int helper_share(Helper *h, FusedJob *job) {
             if (st == FREE || (st == HELPING && now_ns() >= deadline)) {
                 if (!atomic_compare_exchange_strong(&h->state[c], &word, STATE(id, TAKEN))) continue;
                 if (st == HELPING) atomic_fetch_add_explicit(&h->taken_back, 1, memory_order_relaxed);
-                const ChunkPlace p = fused_chunk_place(job, c);
-                const int rc = fused_run_chunk(job, c, job->y + p.offset, p.stride);
-                failed = failed ? failed : rc;
+                run_here(job, c, &failed);
                 break;
             }
             PAUSE(); /* HELPING within the grace */

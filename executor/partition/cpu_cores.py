@@ -240,8 +240,8 @@ class CpuCoresBackend(PartitionBackend):
     def _beside(helper: DecodeHelper | None, binding: LaneBinding) -> Iterator[None]:
         """A decode lane thread whose cores include the helper's (the top rung) runs its step on the others: on the
         helper's core the helper, at ``SCHED_IDLE``, would get no time beside it."""
-        own = tuple(c for c in binding.cores if helper is not None and c not in helper.cores)
-        if helper is None or not own or len(own) == len(binding.cores):
+        own = () if helper is None else tuple(c for c in binding.cores if c not in helper.cores)
+        if not own or len(own) == len(binding.cores):
             yield
             return
         tid = threading.get_native_id()
