@@ -9,8 +9,9 @@ enum { JOB_PRODUCT = 1, JOB_ATTENTION = 2 };
 #define HELPER_MAX_CHUNKS 32
 
 /* One shareable piece of a step: a product (chunk c: rows [c * chunk_rows, ...) of every sequence) or the attention
- * of a batch (chunk c: sequence c, or for a single sequence its KV heads [c * kv_per_chunk, ...)).  Everything it points at outlives the helper's use of it (the model, the cache,
- * the helper's own scratch and tables), so a helper that computes a chunk of a job the lane thread has left behind
+ * of a batch (chunk c: sequence c, or for a single sequence its KV heads [c * kv_per_chunk, ...)).  Everything it
+ * points at outlives the helper's use of it (the model, the cache, the helper's own scratch and tables; DecodeHelper
+ * holds the fused step until closed), so a helper that computes a chunk of a job the lane thread has left behind
  * reads stale numbers, never freed memory; what it computed is then dropped. */
 typedef struct {
     int kind, chunks, batch, width;

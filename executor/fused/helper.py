@@ -44,9 +44,12 @@ class DecodeHelper:
     """One helper thread and its C state; made by :meth:`.step.FusedDecodeStep.helper`."""
 
     def __init__(self, library: ctypes.CDLL, max_batch: int, max_width: int, scratch_floats: int,
-                 private: int) -> None:
+                 private: int, owner: object) -> None:
         _declare(library)
         self._lib = library
+        # what its jobs point into (the model, its weights, the cache): a helper still inside a chunk of a step its
+        # lane thread has left reads them until it sees the job is stale, so they live until close()
+        self._owner: object | None = owner
         self.max_batch = max_batch
         self.handle = library.fused_helper_create(max_batch, max_width, scratch_floats, private)
         if not self.handle:
@@ -109,3 +112,4 @@ class DecodeHelper:
             self._thread.join()
         self._lib.fused_helper_destroy(self.handle)
         self.handle = None
+        self._owner = None

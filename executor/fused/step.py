@@ -157,7 +157,7 @@ class FusedDecodeStep:
         chunk.argtypes, chunk.restype = [ctypes.POINTER(_Model), _i32], _i64
         width = -(-m.max_positions // m.block_size)
         return DecodeHelper(self._library, max_batch, width, self._scratch_floats(ctypes.byref(m), max_batch),
-                            chunk(ctypes.byref(m), max_batch))
+                            chunk(ctypes.byref(m), max_batch), owner=self)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, cache: KVCache, threads: int, helper: DecodeHelper | None = None) -> torch.Tensor:

@@ -4,9 +4,11 @@ disallowed, is handed a batch too large for it — the step's logits are bitwise
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -151,6 +153,21 @@ def test_the_helper_shares_nothing_it_cannot_take(bf16_paths, cases, helper_of):
         torch.set_num_threads(1)
         runner.decode(items[:2], helper=helper)
         assert helper.counts()["steps"] == 1
+
+
+def test_a_helper_keeps_its_step_until_closed(bf16_paths):
+    """A helper still inside a chunk of a step its lane thread has left reads that job's model, weights and cache
+    until it sees the job is stale: its owner may drop the runner first (a test's fixture closing helpers after the
+    test did, and the helper divided by a freed model's head count), so the helper holds the fused step."""
+    runner = _runner(bf16_paths["llama_tied"])
+    step = weakref.ref(runner.fused_decode)
+    helper = runner.fused_decode.helper()
+    del runner
+    gc.collect()
+    assert step() is not None
+    helper.close()
+    gc.collect()
+    assert step() is None
 
 
 def test_decode_helper_setting(bf16_paths, cases):
