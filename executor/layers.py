@@ -29,15 +29,19 @@ def by_row_blocks(f: Callable[..., torch.Tensor], x: torch.Tensor, *rowwise: tor
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back before the weight multiply (as transformers does)."""
-    return by_row_blocks(lambda rows: _rms_norm(rows, weight, eps), x)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back before the weight multiply (as transformers does); ``dtype``: the
+    weight multiply's result rounded to it as it is written (what casting the result would give, one pass fewer)."""
+    return by_row_blocks(lambda rows: _rms_norm(rows, weight, eps, dtype), x)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    h = h.to(x.dtype)
+    if dtype is None:
+        return weight * h
+    return torch.mul(weight, h, out=torch.empty(h.shape, dtype=dtype, device=h.device))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

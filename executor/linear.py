@@ -11,7 +11,8 @@
   accumulation; the result is fp32 again; from ~16 rows it is 1.3-2x faster than the packed product).
   Which rows are which is set per forward with :func:`bf16_rows` — by the chunk a row belongs to, never by
   the batch's size, so a sequence's numbers do not depend on what it is batched with.  Twice the weight
-  memory of either alone.  :func:`gated_mlp` keeps the bf16 rows in bf16 between the MLP's two products.
+  memory of either alone.  :func:`gated_mlp` keeps the bf16 rows in bf16 between the MLP's two products, and
+  where every row is a bf16 row the model hands products their inputs in bf16 (:func:`input_dtype`).
 
 Which one a matrix gets (:func:`choose_format`) under the ``weights`` setting: ``dense`` always dense;
 ``fp16`` packs every matrix; ``hybrid`` makes every matrix hybrid; ``auto``, on a CPU running fp32 when the
@@ -125,6 +126,19 @@ class HybridLinear:
     def nbytes(self) -> int:
         """What a product streams: the packed matrix for decode-sized products (the bf16 one is the same size)."""
         return self.packed.nbytes
+
+
+def bf16_forward() -> bool:
+    """Whether this thread's forward multiplies every row of its hybrid matrices in bf16 (``ALL_ROWS``: a batch of
+    prefill chunks only)."""
+    split = getattr(_rows, "split", None)
+    return split is not None and split[0] is ALL_ROWS
+
+
+def input_dtype(linear: Linear) -> torch.dtype | None:
+    """The dtype to hand ``linear``'s input over in: bf16 where this forward multiplies every row of it in bf16 (the
+    product rounds its input so; handing it over rounded saves a pass), else ``None`` (as it is)."""
+    return torch.bfloat16 if isinstance(linear, HybridLinear) and bf16_forward() else None
 
 
 def gated_mlp(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:

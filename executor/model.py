@@ -15,7 +15,15 @@ from agentserve.executor.errors import CheckpointError
 from agentserve.executor.kv_cache import KVCache
 from agentserve.executor.layer_hook import between_layers
 from agentserve.executor.layers import Rotary, rms_norm
-from agentserve.executor.linear import DenseLinear, HybridLinear, Linear, choose_format, gated_mlp, make_linear
+from agentserve.executor.linear import (
+    DenseLinear,
+    HybridLinear,
+    Linear,
+    choose_format,
+    gated_mlp,
+    input_dtype,
+    make_linear,
+)
 
 
 @dataclass
@@ -136,12 +144,13 @@ class DecoderModel:
         """Hidden states after the final norm, ``[T, hidden]``, for flat ``input_ids``/``positions`` ([T])."""
         x = F.embedding(input_ids, self.embed).to(self.dtype)
         cos, sin = self.rotary.tables(positions)
+        eps = self.config.rms_norm_eps
         for i, layer in enumerate(self.layers):
             if i:
                 between_layers()  # a preempting step may run here, once this forward has done a layer
             x = x + self._attention(
                 layer,
-                rms_norm(x, layer.input_norm, self.config.rms_norm_eps),
+                rms_norm(x, layer.input_norm, eps, input_dtype(layer.qkv)),
                 cos,
                 sin,
                 cache.k[i],
@@ -149,9 +158,9 @@ class DecoderModel:
                 backend,
                 meta,
             )
-            h = rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
+            h = rms_norm(x, layer.post_norm, eps, input_dtype(layer.gate_up))
             x = x + gated_mlp(layer.gate_up, layer.down, h)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return rms_norm(x, self.norm, eps)
 
     def _attention(
         self,
@@ -174,7 +183,7 @@ class DecoderModel:
         q = self.rotary.apply(q, cos, sin)
         k = self.rotary.apply(k, cos, sin)
         out = backend.forward(q, k, v.view(t, c.num_kv_heads, c.head_dim), k_cache, v_cache, meta)
-        return layer.o(out)
+        return layer.o(out.to(input_dtype(layer.o) or self.dtype))  # the backend may return bf16 (bf16_forward)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""

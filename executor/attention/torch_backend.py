@@ -31,6 +31,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from agentserve.executor.attention import cascade
 from agentserve.executor.attention.base import AttentionBackend, AttentionBatch
+from agentserve.executor.linear import bf16_forward
 
 if TYPE_CHECKING:
     from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
@@ -220,7 +221,7 @@ class TorchAttention(AttentionBackend):
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slots, v)
         if isinstance(meta, _DecodePlan):
             return self._decode(q, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q, dtype=self._prefill_out_dtype(q, meta))
         # the lane's thread count now, not the plan's: between two layers the core loan may narrow or widen it
         threads = torch.get_num_threads()
         for i, c in enumerate(meta.chunks):
@@ -236,11 +237,19 @@ class TorchAttention(AttentionBackend):
             if ck.dtype != dtype:  # an fp16 cache widened, or copies for bf16 attention
                 ck, cv, qc = _cast(ck, dtype), _cast(cv, dtype), qc.to(dtype)
             attend = self._sdpa_chunk if self.sdpa_prefill else self._flash_chunk
-            out[c.begin : c.end] = attend(qc, ck, cv, c.start)  # back to q's dtype
+            out[c.begin : c.end] = attend(qc, ck, cv, c.start)  # into out's dtype
         if meta.decode is not None:
             rows = meta.decode_rows
             out[rows] = self._decode(q[rows], k_cache, v_cache, meta.decode).view(len(rows), *q.shape[1:])
         return out.view(q.shape[0], -1)
+
+    def _prefill_out_dtype(self, q: torch.Tensor, meta: _PrefillPlan) -> torch.dtype:
+        """q's dtype; bf16 where every chunk is attended on bf16 copies in a forward that multiplies every row in
+        bf16 (:func:`.linear.bf16_forward`): the o-projection rounds the result to bf16 anyway, and neither a widened
+        copy nor its rounding again is made."""
+        if self.prefill_dtype != torch.bfloat16 or meta.decode is not None or any(c.kernel for c in meta.chunks):
+            return q.dtype
+        return torch.bfloat16 if bf16_forward() else q.dtype
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: _DecodePlan) -> torch.Tensor:

@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 
 import agentserve.executor.attention as attention
 import agentserve.executor.attention.torch_backend as torch_backend
+import agentserve.executor.model as model_module
 from agentserve.executor.attention import AttentionBatch, create_backend, torch_prefill_dtype
 from agentserve.executor.attention.torch_backend import CPU_ROW_BLOCK, TorchAttention
 from agentserve.executor.errors import EngineError
+from agentserve.executor.linear import ALL_ROWS, bf16_rows
 from agentserve.executor.runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -88,6 +90,47 @@ def test_a_riding_decode_is_untouched_and_chunks_differ_from_fp32_by_bf16_roundi
     assert torch.equal(got[29], want[29])  # the decode riding in the step
     for rows in (slice(0, 29), slice(30, 48)):
         assert 0 < rel_err(got[rows], want[rows]) < 2e-2
+
+
+def test_in_a_forward_of_bf16_rows_it_returns_the_bf16_it_computed():
+    """Under ``bf16_rows(ALL_ROWS)`` (every row multiplies in bf16: the o-projection rounds to bf16 anyway) a batch of
+    chunks comes back in bf16 holding the values it returns in fp32 elsewhere; with a decode riding, in fp32."""
+    heads, kv_heads, dim, bs = 4, 2, 32, 8
+    g = torch.Generator().manual_seed(3)
+    cache = [torch.randn(20, bs, kv_heads, dim, generator=g).half() for _ in range(2)]
+    q, k, v = (torch.randn(48, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    backend = TorchAttention(heads, kv_heads, dim, bs, CPU, prefill_dtype=torch.bfloat16)
+    for lens, starts in (([30, 18], [5, 0]), ([29, 1, 18], [37, 20, 0])):  # the second with a riding decode
+        tables = [list(range(0, 9)), list(range(10, 13)), [13, 14, 15]][: len(lens)]
+        slots = torch.tensor([t[p // bs] * bs + p % bs for t, s, n in zip(tables, starts, lens, strict=True)
+                              for p in range(s, s + n)])
+        batch = AttentionBatch(False, lens, starts, tables, slots)
+        outs = []
+        for rows in (None, ALL_ROWS):
+            with bf16_rows(rows):
+                outs.append(backend.forward(q, k, v, *(c.clone() for c in cache), backend.plan(batch)))
+        fp32, in_bf16_rows = outs
+        assert fp32.dtype == F32
+        assert in_bf16_rows.dtype == (F32 if len(lens) == 3 else torch.bfloat16)
+        assert torch.equal(in_bf16_rows.float(), fp32)
+
+
+@pytest.mark.parametrize("setting", ["torch-bf16", "torch"])
+def test_a_hybrid_runner_hands_bf16_over_without_changing_a_bit(bf16_checkpoints, monkeypatch, setting):
+    """A prefill of bf16 rows hands RMSNorm's output to the qkv and gate/up products, and the attention's to the
+    o-projection, in bf16: the logits are bitwise those of handing them over in fp32 (each product rounds its
+    input to bf16 itself)."""
+    tokens = random_prompts([70], seed=5)[0]
+    for case in ("qwen2_tied_bias", "qwen3_headdim"):
+        runner = ModelRunner(bf16_checkpoints[case][0], dtype="float32", device="cpu", num_blocks=64, block_size=8,
+                             weights="hybrid", prefill_attention=setting)
+        handed = whole_and_resumed(runner, tokens, 45)
+        with monkeypatch.context() as m:
+            m.setattr(model_module, "input_dtype", lambda linear: None)
+            m.setattr(torch_backend, "bf16_forward", lambda: False)
+            widened = whole_and_resumed(runner, tokens, 45)
+        for a, b in zip(handed, widened, strict=True):
+            assert torch.equal(a, b), case
 
 
 def test_a_hybrid_runner_prefills_within_bf16_tolerance_of_transformers(bf16_checkpoints):

@@ -1,5 +1,6 @@
 """Row-wise layers over long CPU chunks run a block of rows at a time (``layers.by_row_blocks``): the same bits as
-one pass over every row, whatever the block size, for RMSNorm (with q/k norm's 3-D rows) and RoPE."""
+one pass over every row, whatever the block size, for RMSNorm (with q/k norm's 3-D rows, and rounded to bf16 as it is
+written) and RoPE."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_blocks_give_the_bits_of_one_pass(rows, block, seed):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(layers, "ROW_BLOCK", block)
         blocked = (rms_norm(hidden, weight, 1e-6), rms_norm(heads, weight[:16], 1e-6), rotary.apply(heads, cos, sin))
-    for a, b in zip(blocked, whole, strict=True):
+        rounded = rms_norm(hidden, weight, 1e-6, torch.bfloat16)  # handed to a bf16 product: rounded as written
+    for a, b in zip((*blocked, rounded), (*whole, whole[0].to(torch.bfloat16)), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
 
