@@ -223,7 +223,7 @@ int helper_share(Helper *h, FusedJob *job) {
 static void help_with_job(Helper *h, uint64_t id, const FusedJob *job) {
     for (int c = job->chunks - 1; c >= 0; c--) {
         if (!atomic_load_explicit(&h->allowed, memory_order_relaxed)) return;
-        /* taken, or the job is over (its owner may be gone: see DecodeHelper._owner): stop before reading it */
+        /* taken, or the job is over: stop before reading its descriptors again */
         if (atomic_load_explicit(&h->state[c], memory_order_relaxed) != STATE(id, FREE)) return;
         const ChunkPlace p = fused_chunk_place(job, c);
         if ((int64_t)p.segments * p.len > h->private_floats) return;
