@@ -130,7 +130,7 @@ class HybridLinear:
 
 def bf16_forward() -> bool:
     """Whether this thread's forward multiplies every row of its hybrid matrices in bf16 (``ALL_ROWS``: a batch of
-    prefill chunks only)."""
+    prefill chunks only, of a model with hybrid matrices — the runner names no rows for the others)."""
     split = getattr(_rows, "split", None)
     return split is not None and split[0] is ALL_ROWS
 

@@ -361,7 +361,8 @@ class ModelRunner(RunnerGraphs):
         batch = AttentionBatch(
             False, lens, [c.start_pos for c in chunks], [c.block_table for c in chunks], slots
         )
-        with bf16_rows(*prefill_rows(lens)):
+        hybrid = "hybrid" in self.model.weight_formats  # the only matrices (and attention) that read the rows
+        with bf16_rows(*(prefill_rows(lens) if hybrid else (None, None))):
             hidden = self._forward(ids, positions, batch)
         if all_logits:
             return list(self.model.logits(hidden).split(lens))

@@ -47,8 +47,9 @@ class DecodeHelper:
                  private: int, owner: object) -> None:
         _declare(library)
         self._lib = library
-        # what its jobs point into (the model, its weights, the cache): a helper still inside a chunk of a step its
-        # lane thread has left reads them until it sees the job is stale, so they live until close()
+        # what its jobs point into (the model, its weights, the cache the step is bound to: the runner swaps caches
+        # only before helpers exist): a helper still inside a chunk of a step its lane thread has left reads them
+        # until it sees the job is stale, so they live until close()
         self._owner: object | None = owner
         self.max_batch = max_batch
         self.handle = library.fused_helper_create(max_batch, max_width, scratch_floats, private)

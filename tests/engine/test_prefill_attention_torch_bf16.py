@@ -133,6 +133,27 @@ def test_a_hybrid_runner_hands_bf16_over_without_changing_a_bit(bf16_checkpoints
             assert torch.equal(a, b), case
 
 
+def test_only_hybrid_matrices_are_handed_bf16_attention(bf16_checkpoints, monkeypatch):
+    """On packed fp16 matrices (no bf16 product to round for it) ``torch-bf16`` keeps returning fp32: no bf16 result
+    to widen again."""
+    path = bf16_checkpoints["qwen2_tied_bias"][0]
+    seen: dict[str, set[torch.dtype]] = {}
+
+    def recording(weights: str, forward):
+        def run(*args):
+            out = forward(*args)
+            seen.setdefault(weights, set()).add(out.dtype)
+            return out
+        return run
+
+    for weights in ("hybrid", "fp16"):
+        runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64, block_size=8, weights=weights,
+                             prefill_attention="torch-bf16")
+        monkeypatch.setattr(runner.attention, "forward", recording(weights, runner.attention.forward))
+        whole_and_resumed(runner, random_prompts([40], seed=2)[0], 20)
+    assert seen == {"hybrid": {torch.bfloat16}, "fp16": {F32}}
+
+
 def test_a_hybrid_runner_prefills_within_bf16_tolerance_of_transformers(bf16_checkpoints):
     path, hf = bf16_checkpoints["qwen3_headdim"]
     runs = {}
