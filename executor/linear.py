@@ -10,8 +10,9 @@
   activations are rounded to bf16 for the product, which oneDNN runs on the CPU's bf16 units with fp32
   accumulation; the result is fp32 again; from ~16 rows it is 1.3-2x faster than the packed product).
   Which rows are which is set per forward with :func:`bf16_rows` — by the chunk a row belongs to, never by
-  the batch's size, so a sequence's numbers do not depend on what it is batched with.  Twice the weight
-  memory of either alone.  :func:`gated_mlp` keeps the bf16 rows in bf16 between the MLP's two products, and
+  the batch's size, so which rows multiply in bf16 never depends on what a chunk is batched with (the bf16
+  products are oneDNN's, whose rounding on AMX varies with the product's row and thread counts).  Twice the
+  weight memory of either alone.  :func:`gated_mlp` keeps the bf16 rows in bf16 between the MLP's two products, and
   where every row is a bf16 row the model hands products their inputs in bf16 (:func:`input_dtype`).
 
 Which one a matrix gets (:func:`choose_format`) under the ``weights`` setting: ``dense`` always dense;
@@ -148,7 +149,7 @@ def gated_mlp(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:
     SwiGLU in bf16: the product is bf16 already (a bf16 matmul's result), and ``down`` rounds SwiGLU's output
     to bf16 anyway, so only SwiGLU's own rounding is added — and two fp32 copies of the widest activation
     (~15 % of a long prefill) are saved.  In a step that mixes bf16 and packed rows, the bf16 rows take the
-    same bf16 SwiGLU, so a chunk computes the same numbers whatever it is batched with."""
+    same bf16 SwiGLU, so a chunk's SwiGLU does not depend on what it is batched with."""
     split = getattr(_rows, "split", None)
     hybrid = isinstance(gate_up, HybridLinear) and isinstance(down, HybridLinear)
     if split is None or not hybrid or gate_up.bias is not None or down.bias is not None:

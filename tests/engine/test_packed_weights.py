@@ -203,7 +203,8 @@ def test_hybrid_runner_decodes_exactly_and_prefills_within_bf16_tolerance(case, 
 @needs_fbgemm
 def test_a_hybrid_sequence_computes_the_same_whatever_it_is_batched_with(bf16_checkpoints):
     """Rows go to bf16 by the chunk they belong to, not by the batch's size: a chunk's logits are bitwise the
-    same alone, beside another chunk, and beside one-token (decode) rows in the same step."""
+    same alone, beside another chunk, and beside one-token (decode) rows in the same step.  (Small chunks: on AMX
+    oneDNN's bf16 products round differently once a batch has some hundreds of rows — docs/executor.md.)"""
     path, _ = bf16_checkpoints["qwen2_tied_bias"]
     runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64, weights="hybrid")
     a, b = random_prompts([23, 40], seed=11)
