@@ -183,7 +183,9 @@ class DecoderModel:
         q = self.rotary.apply(q, cos, sin)
         k = self.rotary.apply(k, cos, sin)
         out = backend.forward(q, k, v.view(t, c.num_kv_heads, c.head_dim), k_cache, v_cache, meta)
-        return layer.o(out.to(input_dtype(layer.o) or self.dtype))  # the backend may return bf16 (bf16_forward)
+        if out.dtype != self.dtype and input_dtype(layer.o) is None:  # bf16 (bf16_forward) for a matrix that widens
+            out = out.to(self.dtype)
+        return layer.o(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""
