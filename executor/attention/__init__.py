@@ -78,8 +78,13 @@ def create_backend(
     if device.type == "cpu":
         log.info("prefill attention: %s", f"the compiled {prefill_kernel.variant} kernel" if prefill_kernel
                  else f"PyTorch {'bf16' if prefill_dtype == torch.bfloat16 else 'fp32'} ({why})")
+    gather = None
+    if device.type == "cpu" and prefill_dtype == torch.bfloat16 and cache_dtype == torch.float16:
+        from agentserve.executor.attention import cpu_gather
+
+        gather = cpu_gather.load()
     return TorchAttention(num_heads, num_kv_heads, head_dim, block_size, device, decode_kernel=kernel,
-                          prefill_kernel=prefill_kernel, prefill_dtype=prefill_dtype)
+                          prefill_kernel=prefill_kernel, prefill_dtype=prefill_dtype, bf16_gather=gather)
 
 
 def installed(module: str) -> bool:

@@ -34,6 +34,7 @@ from agentserve.executor.attention.base import AttentionBackend, AttentionBatch
 from agentserve.executor.linear import bf16_forward
 
 if TYPE_CHECKING:
+    from agentserve.executor.attention.cpu_gather import Bf16Gather
     from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
     from agentserve.executor.attention.cpu_prefill import PagedPrefillKernel
 
@@ -117,7 +118,8 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, buffers: GatherBuffers | 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``; fp16 to bf16 through fp32, the same values: PyTorch's CPU cast between the two 16-bit types
     runs at about half the speed of the two vectorised casts (on AMX, the casts of an fp16 cache's gathered keys and
-    values for bf16 attention: 6.0 ms of a 32.5 ms resume step, 3.9 ms this way)."""
+    values for bf16 attention: 6.0 ms of a 32.5 ms resume step, 3.9 ms this way; the compiled gather of
+    :mod:`.cpu_gather`, where it builds, does gather and casts in one pass instead)."""
     if t.dtype == torch.float16 and dtype == torch.bfloat16:
         return t.float().to(dtype)
     return t.to(dtype)
@@ -154,7 +156,7 @@ class TorchAttention(AttentionBackend):
     def __init__(self, *args, sdpa_prefill: bool | None = None, cascade_decode: bool | None = None,
                  reuse_gathers: bool | None = None, decode_kernel: PagedDecodeKernel | None = None,
                  prefill_kernel: PagedPrefillKernel | None = None, prefill_dtype: torch.dtype | None = None,
-                 **kwargs) -> None:
+                 bf16_gather: Bf16Gather | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.group = self.num_heads // self.num_kv_heads
         self.sdpa_prefill = self.device.type == "cuda" if sdpa_prefill is None else sdpa_prefill
@@ -162,6 +164,7 @@ class TorchAttention(AttentionBackend):
         self.decode_kernel = decode_kernel  # fp32 CPU caches only: the caller checks
         self.prefill_kernel = prefill_kernel  # fp32 CPU queries, chunks of more than one token: the caller checks
         self.prefill_dtype = prefill_dtype  # PyTorch attends prefill chunks on copies in this dtype (None: as q)
+        self.bf16_gather = bf16_gather  # gathers an fp16 cache's blocks as bf16 in one pass (CPU), else None
         # cascade needs the log-sum-exp of each partial attention: CPU's flash kernel returns it
         self.cascade_decode = self.device.type == "cpu" if cascade_decode is None else cascade_decode
         self.cascade_decode &= decode_kernel is None  # the kernel walks a batch's shared prefix once itself
@@ -230,18 +233,28 @@ class TorchAttention(AttentionBackend):
                                                                c.blocks, c.start, self.scale, threads)
                 continue
             ck, cv, qc = k[c.begin : c.end], v[c.begin : c.end], q[c.begin : c.end]
-            if c.blocks is not None:
-                ck = _gather(k_cache, c.blocks, meta.buffers, ("k", i))[: c.end - c.begin + c.start]
-                cv = _gather(v_cache, c.blocks, meta.buffers, ("v", i))[: c.end - c.begin + c.start]
             dtype = self.prefill_dtype or q.dtype
+            if c.blocks is not None:
+                n = c.end - c.begin + c.start
+                ck = self._cached(k_cache, c.blocks, n, dtype, meta.buffers, ("k", i), threads)
+                cv = self._cached(v_cache, c.blocks, n, dtype, meta.buffers, ("v", i), threads)
             if ck.dtype != dtype:  # an fp16 cache widened, or copies for bf16 attention
-                ck, cv, qc = _cast(ck, dtype), _cast(cv, dtype), qc.to(dtype)
+                ck, cv = _cast(ck, dtype), _cast(cv, dtype)
+            qc = qc.to(dtype)
             attend = self._sdpa_chunk if self.sdpa_prefill else self._flash_chunk
             out[c.begin : c.end] = attend(qc, ck, cv, c.start)  # into out's dtype
         if meta.decode is not None:
             rows = meta.decode_rows
             out[rows] = self._decode(q[rows], k_cache, v_cache, meta.decode).view(len(rows), *q.shape[1:])
         return out.view(q.shape[0], -1)
+
+    def _cached(self, cache: torch.Tensor, blocks: torch.Tensor, n: int, dtype: torch.dtype,
+                buffers: GatherBuffers | None, key: object, threads: int) -> torch.Tensor:
+        """A chunk's sequence's first ``n`` cached tokens: in one pass as bf16 where they are wanted so from an fp16
+        cache and the compiled gather is there (the same bits as gathering, then casting), else as stored."""
+        if self.bf16_gather is not None and dtype == torch.bfloat16 and cache.dtype == torch.float16:
+            return self.bf16_gather(cache, blocks, n, threads)
+        return _gather(cache, blocks, buffers, key)[:n]
 
     def _prefill_out_dtype(self, q: torch.Tensor, meta: _PrefillPlan) -> torch.dtype:
         """q's dtype; bf16 where every chunk is attended on bf16 copies in a forward that multiplies every row in

@@ -1,11 +1,13 @@
 """The compiled CPU library: ``attention/paged_decode.c`` (paged decode attention), ``fused/decode_step.c``
 (the fused decode step, which calls the first), ``attention/paged_prefill.c`` (prefill attention on bf16
 dot-product units, where the CPU has them), ``attention/paged_prefill_fp32.c`` (prefill attention in fp32 on
-AVX2) and ``partition/omp_team.c`` (re-pinning a lane thread's OpenMP workers), built once per machine with the
+AVX2), ``attention/gather_bf16.c`` (an fp16 cache's keys and values gathered as bf16, for PyTorch's bf16 attention)
+and ``partition/omp_team.c`` (re-pinning a lane thread's OpenMP workers), built once per machine with the
 system C compiler into one shared object (``paged_decode.so``), then loaded through ctypes by their Python
 wrappers (:class:`~agentserve.executor.attention.cpu_kernel.PagedDecodeKernel`,
 :class:`~agentserve.executor.fused.step.FusedDecodeStep`,
-:class:`~agentserve.executor.attention.cpu_prefill.PagedPrefillKernel`, :mod:`~agentserve.executor.partition.omp_team`).
+:class:`~agentserve.executor.attention.cpu_prefill.PagedPrefillKernel`,
+:class:`~agentserve.executor.attention.cpu_gather.Bf16Gather`, :mod:`~agentserve.executor.partition.omp_team`).
 
 The sources are plain C (no PyTorch headers), so they build in about a second.  The shared object is cached
 under ``<cache>/<hash>/``: the hash covers the sources, the compiler's version, the flags, the CPU's feature
@@ -36,7 +38,8 @@ log = logging.getLogger(__name__)
 _EXECUTOR = Path(__file__).parents[1]
 SOURCES = (_EXECUTOR / "attention" / "paged_decode.c", _EXECUTOR / "fused" / "decode_step.c",
            _EXECUTOR / "fused" / "helper.c", _EXECUTOR / "attention" / "paged_prefill.c",
-           _EXECUTOR / "attention" / "paged_prefill_fp32.c", _EXECUTOR / "partition" / "omp_team.c")
+           _EXECUTOR / "attention" / "paged_prefill_fp32.c", _EXECUTOR / "attention" / "gather_bf16.c",
+           _EXECUTOR / "partition" / "omp_team.c")
 HEADERS = (_EXECUTOR / "attention" / "paged_prefill.h", _EXECUTOR / "attention" / "simd_math.h",
            _EXECUTOR / "fused" / "helper.h")  # included: in the key
 LIBRARY = "paged_decode.so"  # the file name inside its cache folder
