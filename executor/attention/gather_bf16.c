@@ -11,7 +11,7 @@
  *   cache   [num_blocks, block_size, token_elems]   fp16 bits (token_elems = kv_heads * dim)
  *   blocks  [>= ceil(n / block_size)]               int64 block ids, in the sequence's order
  *   out     [n, token_elems]                        bf16 bits: the sequence's first n tokens
- * Blocks are split over `threads` OpenMP threads.  Returns 0; -1 for a block id outside [0, num_blocks) (nothing
+ * 16 values at a time on AVX-512, 8 on AVX2, then one by one; blocks are split over `threads` OpenMP threads.  Returns 0; -1 for a block id outside [0, num_blocks) (nothing
  * written); -2 where the build has no F16C (gather_bf16_available() says so).
  */
 #include <stdint.h>
@@ -48,6 +48,17 @@ static void convert(const uint16_t *src, uint16_t *dst, int64_t n) {
         __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), odd), 16);
         r = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(_mm512_and_si512(u, magnitude), inf), r, nan);
         _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(r));
+    }
+#elif defined(__AVX2__)
+    const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), nan = _mm256_set1_epi32(0xffff);
+    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_castps_si256(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), odd), 16);
+        r = _mm256_blendv_epi8(r, nan, _mm256_cmpgt_epi32(_mm256_and_si256(u, magnitude), inf));
+        _mm_storeu_si128((__m128i *)(dst + i),  // every lane fits 16 bits: the unsigned saturation never acts
+                         _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
     }
 #endif
     for (; i < n; i++) dst[i] = bf16_of(_cvtsh_ss(src[i]));

@@ -13,7 +13,8 @@ never repeated per query head.  On CPU it calls SDPA's flash kernel directly wit
 folded into rows (K/V read once per group), in query blocks of at most :data:`CPU_ROW_BLOCK` rows: each
 block attends every key before its first row (cached prefix, earlier rows) unmasked and its own rows' keys
 under an additive causal mask the size of the block, the two merged by log-sum-exp (on bf16 copies where
-``prefill_dtype`` says so: PyTorch runs them on AMX tiles) — or, where a prefill kernel was given
+``prefill_dtype`` says so: PyTorch runs them on AMX tiles; an fp16 cache's blocks gathered as bf16 in one pass by
+:mod:`.cpu_gather` where given) — or, where a prefill kernel was given
 (:mod:`.cpu_prefill`: bf16 dot products on AVX512-BF16 CPUs), each chunk of more than one token attends its keys
 in place through that kernel.  The Triton backend (:mod:`.triton_backend`) replaces this path
 on CUDA by default.

@@ -85,11 +85,17 @@ def test_a_prefill_through_it_is_bitwise_a_prefill_through_pytorchs_passes(start
     q, k, v = (torch.randn(n, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start, start + n)])
     batch = AttentionBatch(False, [n], [start], [table], slots)
-    outs = []
-    for gather in (GATHER, None):
+    outs, calls = [], []
+
+    def counted(*args):
+        calls.append(args[2])
+        return GATHER(*args)
+
+    for gather in (counted, None):
         backend = TorchAttention(heads, kv_heads, dim, bs, CPU, prefill_dtype=torch.bfloat16, bf16_gather=gather)
         outs.append(backend.forward(q, k, v, *(c.clone() for c in cache), backend.plan(batch)))
     assert torch.equal(*outs)
+    assert calls == ([start + n] * 2 if start else []), "keys and values of a chunk after a cached prefix only"
 
 
 @pytest.mark.parametrize("prefill, cache_dtype, given_it", [
@@ -113,8 +119,8 @@ print(torch.equal(got.isnan(), nan) and torch.equal(got.view(torch.int16)[~nan],
 
 
 def test_the_avx2_build_gathers_every_fp16_bit_pattern_as_pytorch(tmp_path):
-    """The AVX2-only class (no AVX-512: the scalar loop only), checked on either class: a build with ``-mno-avx512f``
-    in a fresh cache and process converts all 65,536 fp16 bit patterns as PyTorch does."""
+    """The AVX2-only class (no AVX-512: the 8-wide loop and the scalar tail), checked on either class: a build with
+    ``-mno-avx512f`` in a fresh cache and process converts all 65,536 fp16 bit patterns as PyTorch does."""
     env = {**os.environ, build.DIR_ENV: str(tmp_path), build.CFLAGS_ENV: "-mno-avx512f"}
     done = subprocess.run([sys.executable, "-c", EVERY_PATTERN], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
