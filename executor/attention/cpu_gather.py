@@ -29,7 +29,8 @@ class Bf16Gather:
         """``cache`` [num_blocks, block_size, ...] fp16, ``blocks`` [>= ceil(n / block_size)] int64 (contiguous CPU
         tensors): returns [n, ...] bf16, as ``cache.index_select(0, blocks)`` flattened to tokens, its first ``n``,
         cast to bf16."""
-        if cache.dtype != torch.float16 or blocks.dtype != torch.int64 or blocks.dim() != 1 or cache.dim() < 3:
+        if (cache.dtype != torch.float16 or blocks.dtype != torch.int64 or blocks.dim() != 1 or cache.dim() < 3
+                or 0 in cache.shape):
             raise ValueError(f"bf16 gather needs an fp16 cache [blocks, block_size, ...] and int64 block ids [N], not "
                              f"{cache.dtype} {tuple(cache.shape)} and {blocks.dtype} {tuple(blocks.shape)}")
         if not (cache.is_contiguous() and blocks.is_contiguous()) or {cache.device.type, blocks.device.type} != {"cpu"}:

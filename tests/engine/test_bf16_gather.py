@@ -71,6 +71,8 @@ def test_bad_arguments_are_refused():
         GATHER(cache, torch.tensor([0, 1]), 33)
     with pytest.raises(ValueError, match="fp16"):
         GATHER(cache.float(), torch.tensor([0]), 3)
+    with pytest.raises(ValueError, match="fp16"):  # an empty cache or blocks of no tokens (a division by zero in C)
+        GATHER(torch.zeros(4, 0, 2, 8, dtype=torch.float16), torch.tensor([0]), 0)
     with pytest.raises(ValueError, match="contiguous"):
         GATHER(cache, torch.tensor([0, 1, 2, 3])[::2], 3)
 
