@@ -8,8 +8,6 @@ core).  Loaded from the compiled CPU library (:mod:`agentserve.executor.kernels.
 from __future__ import annotations
 
 import ctypes
-import functools
-import threading
 
 import torch
 
@@ -47,19 +45,11 @@ class Bf16Gather:
         return out
 
 
-_WRAPPING = threading.Lock()
-
-
 def load() -> Bf16Gather | None:
     """The gather, from the library built on first use; ``None`` where the library cannot be built or loaded or was
     built without F16C.  One wrapper per loaded library."""
-    library = build.library()
-    if library is None or not library.gather_bf16_available():
-        return None
-    with _WRAPPING:
-        return _wrapper(library)
+    return build.wrapped(_wrapper)
 
 
-@functools.cache
-def _wrapper(library: ctypes.CDLL) -> Bf16Gather:
-    return Bf16Gather(library)
+def _wrapper(library: ctypes.CDLL) -> Bf16Gather | None:
+    return Bf16Gather(library) if library.gather_bf16_available() else None

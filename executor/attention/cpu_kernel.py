@@ -10,8 +10,6 @@ A machine without a working C compiler gets ``None`` from :func:`load` and the P
 from __future__ import annotations
 
 import ctypes
-import functools
-import threading
 
 import torch
 
@@ -92,19 +90,7 @@ class PagedDecodeKernel:
         return out
 
 
-_WRAPPING = threading.Lock()
-
-
 def load() -> PagedDecodeKernel | None:
     """The kernel, from the library built on first use; ``None`` where the library cannot be built or loaded.
     One wrapper per loaded library."""
-    library = build.library()
-    if library is None:
-        return None
-    with _WRAPPING:  # one wrapper even when two threads load at once (it sets the functions' argtypes)
-        return _kernel(library)
-
-
-@functools.cache
-def _kernel(library: ctypes.CDLL) -> PagedDecodeKernel:
-    return PagedDecodeKernel(library)
+    return build.wrapped(PagedDecodeKernel)

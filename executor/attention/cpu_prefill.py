@@ -13,8 +13,6 @@ attention backend then keeps PyTorch's fp32 flash attention for prefill.
 from __future__ import annotations
 
 import ctypes
-import functools
-import threading
 
 import torch
 
@@ -92,17 +90,10 @@ class PagedPrefillKernel:
         return out
 
 
-_WRAPPING = threading.Lock()
-
-
 def load(variant: str = "bf16") -> PagedPrefillKernel | None:
     """The ``variant`` kernel (``bf16`` or ``fp32``), from the library built on first use; ``None`` where the library
     cannot be built or loaded or this build lacks that kernel.  One wrapper per loaded library and variant."""
-    library = build.library()
-    if library is None:
-        return None
-    with _WRAPPING:
-        return _kernel(library, variant)
+    return build.wrapped(_kernel, variant)
 
 
 def preferred() -> bool:
@@ -116,7 +107,6 @@ def preferred() -> bool:
     return bool(fn())
 
 
-@functools.cache
 def _kernel(library: ctypes.CDLL, variant: str) -> PagedPrefillKernel | None:
     has = getattr(library, _SYMBOLS[variant][1])
     has.argtypes, has.restype = [], ctypes.c_int

@@ -29,7 +29,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import TypeVar
 
 from agentserve import configs
 
@@ -124,12 +126,30 @@ def _open(path: Path) -> ctypes.CDLL:
 
 
 _LOADING = threading.Lock()
+_WRAPPING = threading.Lock()
+T = TypeVar("T")
 
 
 def library() -> ctypes.CDLL | None:
     """The library, built on first use; ``None`` (logged once) where it cannot be built or loaded."""
     with _LOADING:  # one build, one temporary change of the environment, at a time
         return _library()
+
+
+def wrapped(make: Callable[..., T | None], *args: Hashable) -> T | None:
+    """``make(library, *args)``: a Python wrapper of the library's functions, made once per loaded library and
+    arguments (a wrapper sets its functions' argtypes: two threads loading at once get one); ``None`` where the
+    library cannot be built or loaded, or ``make`` says this build lacks what it wraps."""
+    lib = library()
+    if lib is None:
+        return None
+    with _WRAPPING:
+        return _wrapped(make, lib, *args)
+
+
+@functools.cache
+def _wrapped(make: Callable[..., T | None], lib: ctypes.CDLL, *args: Hashable) -> T | None:
+    return make(lib, *args)
 
 
 @functools.cache
