@@ -105,7 +105,7 @@ def cpu_engine() -> str:
     from agentserve.executor.attention import cpu_decode_kernel, cpu_prefill_kernel, torch_prefill_dtype
     from agentserve.executor.fused.step import instruction_set
     from agentserve.executor.fused.step import why_not as fused_why_not
-    from agentserve.executor.linear import choose_format
+    from agentserve.executor.linear import choose_format, onednn_blocking_available
     from agentserve.executor.runner import resolve_kv_dtype
 
     cpu, fp32 = torch.device("cpu"), torch.float32
@@ -125,9 +125,11 @@ def cpu_engine() -> str:
     cache += {None: ", fp32 prefill attention (PyTorch)", "bf16": ", bf16 prefill attention (compiled, AVX512-BF16)",
               "fp32": ", fp32 prefill attention (compiled, AVX2)",
               "amx": ", bf16 prefill attention (PyTorch, AMX)"}["amx" if amx else prefill and prefill.variant]
+    blocked = "; from oneDNN-blocked copies where they fit" if onednn_blocking_available() else ""
     return {
         "dense": "fp32 activations, dense fp32 matrices (no FBGEMM fp16 kernel in this build/CPU)",
-        "hybrid": f"fp32 activations, hybrid matrices: bf16 products for prefill chunks (native bf16), {hybrid_decode}",
+        "hybrid": f"fp32 activations, hybrid matrices: bf16 products for prefill chunks (native bf16{blocked}), "
+                  f"{hybrid_decode}",
         "fp16": "fp32 activations, packed fp16 matrices (no native bf16)",
     }[fmt] + f", {cache}"
 

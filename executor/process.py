@@ -249,8 +249,9 @@ class Executor:
             backend=self.backend.name,
             reason=self.backend.reason,
             ladder=list(self.backend.ladder),
-            device=f"{device_description(self.backend.device, r.device)} {dtype}, {r.weight_format} matrices, "
-                   f"{str(r.kv_dtype).removeprefix('torch.')} KV"
+            device=f"{device_description(self.backend.device, r.device)} {dtype}, {r.weight_format} matrices"
+                   + (" (prefill's oneDNN-blocked)" if r.blocked_bytes else "")
+                   + f", {str(r.kv_dtype).removeprefix('torch.')} KV"
                    + (", fused decode step" if r.fused_decode is not None else "")
                    + (f" with a helper on CPU(s) {list(self.decode_helper.cores)}" if self.decode_helper else "")
                    + (f", {r.prefill_attention} prefill attention" if r.prefill_attention else ""),

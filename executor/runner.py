@@ -24,7 +24,7 @@ from agentserve.executor.fused.step import MATRICES as FUSED_MATRICES
 from agentserve.executor.fused.step import FusedDecodeStep
 from agentserve.executor.fused.step import why_not as fused_why_not
 from agentserve.executor.kv_cache import KVCache, bytes_per_block
-from agentserve.executor.linear import ALL_ROWS, bf16_rows, check_weights
+from agentserve.executor.linear import ALL_ROWS, Linear, bf16_rows, block_bf16_products, check_weights
 from agentserve.executor.memory import CudaMemory, DeviceMemory, kv_budget_bytes, profile_memory
 from agentserve.executor.model import DecoderModel
 from agentserve.executor.runner_graphs import RunnerGraphs
@@ -43,6 +43,7 @@ DTYPES = {
 }
 CPU_KV_FRACTION = 0.5  # share of the available RAM the KV cache takes on a CPU by default ...
 CPU_KV_CAP_BYTES = 2 << 30  # ... at most (engine.toml kv_cache_fraction, kv_cache_max_gb_cpu)
+BLOCKED_RAM_SHARE = 0.25  # most of the available RAM hybrid matrices' oneDNN-blocked copies may take (else none)
 DEFAULT_MAX_SEQS = 64  # the default KV budget never exceeds this many full-length sequences
 MEMORY_UTILIZATION = 0.90  # share of a GPU's memory the executor may hold (weights, activations, KV cache)
 PROFILE_TOKENS = 8192  # the prefill chunk the CUDA memory profile runs (capped by the context length)
@@ -190,6 +191,7 @@ class ModelRunner(RunnerGraphs):
             self.dtype, self.kv_dtype, prefill_attention, "hybrid" in self.model.weight_formats,
         )
         self.fused_decode = self._fused_decode(decode_step)
+        self.blocked_bytes = self._block_bf16_products()
         if decode_helper not in DECODE_HELPER_SETTINGS:
             raise EngineError(f"unknown decode_helper {decode_helper!r}; use {', '.join(DECODE_HELPER_SETTINGS)}")
         self.decode_helper = decode_helper
@@ -217,8 +219,7 @@ class ModelRunner(RunnerGraphs):
 
         It calls the paged-decode kernel the attention backend decodes with (None: no kernel in use)."""
         kernel: PagedDecodeKernel | None = getattr(self.attention, "decode_kernel", None)
-        linears = [getattr(layer, name) for layer in self.model.layers for name in FUSED_MATRICES]
-        why = fused_why_not(setting, kernel, self.device, self.dtype, linears)
+        why = fused_why_not(setting, kernel, self.device, self.dtype, self._layer_matrices())
         if why and setting == "fused":
             raise EngineError(f"decode_step 'fused' is unavailable: {why}")
         if why:
@@ -228,6 +229,21 @@ class ModelRunner(RunnerGraphs):
         step = FusedDecodeStep(kernel, self.model, self.block_size)
         log.info("decode step: fused C (%.1f MiB of fp16 matrices added)", step.bytes_added / 2**20)
         return step
+
+    def _layer_matrices(self) -> list[Linear]:
+        return [getattr(layer, name) for layer in self.model.layers for name in FUSED_MATRICES]
+
+    def _block_bf16_products(self) -> int:
+        """oneDNN-blocked copies of hybrid matrices for prefill products while they take at most
+        :data:`BLOCKED_RAM_SHARE` of the memory still available (:func:`.linear.block_bf16_products`)."""
+        if "hybrid" not in self.model.weight_formats:
+            return 0
+        linears = [self.model.lm_head, *self._layer_matrices()]
+        added = block_bf16_products(linears, int(_available_ram() * BLOCKED_RAM_SHARE))
+        log.info("bf16 prefill products: %s", f"oneDNN-blocked copies ({added / 2**20:.1f} MiB added)" if added
+                 else "F.linear (no blocked copies: no native bf16 or oneDNN's bf16, or they would take over "
+                      f"{BLOCKED_RAM_SHARE:.0%} of the available memory)")
+        return added
 
     def new_decode_helper(self) -> DecodeHelper | None:
         """A decode helper (:mod:`.fused.helper`, not started) for the fused step; ``None`` without the fused step or

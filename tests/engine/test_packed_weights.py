@@ -23,21 +23,28 @@ from engine_helpers import (
     rel_err,
 )
 
+from agentserve.executor import linear as linear_module
+from agentserve.executor import runner as runner_module
 from agentserve.executor.errors import EngineError
 from agentserve.executor.layers import silu_mul
 from agentserve.executor.linear import (
     ALL_ROWS,
+    DenseLinear,
     HybridLinear,
     PackedFp16Linear,
     bf16_rows,
+    block_bf16_products,
     choose_format,
     cpu_has_fast_bf16,
     fp16_packing_available,
     gated_mlp,
+    onednn_blocking_available,
 )
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk, prefill_rows
 
 needs_fbgemm = pytest.mark.skipif(not fp16_packing_available(), reason="no FBGEMM fp16 linear in this build/CPU")
+needs_blocking = pytest.mark.skipif(not (fp16_packing_available() and onednn_blocking_available()),
+                                    reason="no native bf16 (or FBGEMM) here: hybrid matrices keep F.linear")
 F32 = torch.float32
 AUTO_16BIT = "hybrid" if cpu_has_fast_bf16() else "fp16"  # what auto makes of a bf16 checkpoint's matrices here
 
@@ -85,6 +92,54 @@ def test_hybrid_linear_runs_the_rows_it_is_told_in_bf16_and_the_rest_packed(rows
     assert torch.allclose(mixed[~half], packed(x)[~half], rtol=1e-5, atol=1e-5 * got.abs().max().item())
     assert torch.allclose(mixed[half], got[half], rtol=2**-7, atol=2**-7 * ref.abs().max().item())
     assert torch.equal(lin(x), packed(x))  # the context ended
+
+
+@needs_fbgemm
+def test_blocked_copies_are_made_for_hybrid_matrices_only_all_or_none_within_the_budget(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    hybrid = [HybridLinear(torch.randn(n, 32, generator=g).bfloat16().float(), None) for n in (48, 16)]
+    dense = DenseLinear(torch.randn(8, 32, generator=g), None)
+    size = sum(x.weight16.nbytes for x in hybrid)
+    assert block_bf16_products([*hybrid, dense], size - 1) == 0 and all(x.blocked is None for x in hybrid)
+    monkeypatch.setattr(linear_module, "onednn_blocking_available", lambda: False)  # an AVX2-only CPU
+    assert block_bf16_products([*hybrid, dense], size) == 0 and all(x.blocked is None for x in hybrid)
+    monkeypatch.undo()
+    if onednn_blocking_available():
+        assert block_bf16_products([*hybrid, dense], size) == size
+        assert all(x.blocked is not None for x in hybrid) and not hasattr(dense, "blocked")
+
+
+@needs_blocking
+@pytest.mark.parametrize("rows", [1, 7, 56, 64, 300])
+def test_a_blocked_hybrid_matrix_multiplies_its_bf16_rows_from_the_blocked_copy(rows):
+    """The blocked copy is what the bf16 rows read (a zeroed row-major matrix changes nothing), and its product is
+    the bf16 product of the same values: within two bf16 roundings of ``F.linear``'s (their sums' order may differ)."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(160, 96, generator=g).bfloat16().float()
+    b, x = torch.randn(160, generator=g), torch.randn(rows, 96, generator=g)
+    lin = HybridLinear(w, b)
+    assert block_bf16_products([lin], lin.weight16.nbytes) == lin.weight16.nbytes
+    ref = F.linear(x.bfloat16(), w.bfloat16()).float()
+    lin.weight16 = torch.zeros_like(lin.weight16)
+    with bf16_rows(ALL_ROWS):
+        got = lin(x)
+        product = lin.bf16_product(x)
+    assert product.dtype == torch.bfloat16 and torch.equal(got, product.float() + b)
+    assert torch.allclose(product.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+    assert torch.equal(lin(x), PackedFp16Linear(w, b)(x))  # decode rows: the packed product, untouched
+
+
+@needs_blocking
+def test_a_hybrid_runner_blocks_its_matrices_within_its_ram_share(bf16_checkpoints, monkeypatch):
+    path, _ = bf16_checkpoints["qwen2_tied_bias"]  # a tied head: its bf16 matrix is the table
+    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=8, weights="hybrid")
+    matrices = [runner.model.lm_head, *(getattr(layer, n) for layer in runner.model.layers
+                                        for n in ("qkv", "o", "gate_up", "down"))]
+    assert runner.blocked_bytes == sum(m.weight16.nbytes for m in matrices) > 0
+    assert all(m.blocked is not None for m in matrices)
+    monkeypatch.setattr(runner_module, "BLOCKED_RAM_SHARE", 0.0)
+    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=8, weights="hybrid")
+    assert runner.blocked_bytes == 0 and all(layer.o.blocked is None for layer in runner.model.layers)
 
 
 @needs_fbgemm
