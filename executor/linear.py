@@ -204,7 +204,7 @@ def block_bf16_products(linears: Iterable[Linear], budget_bytes: int) -> int:
     ``F.linear`` hands oneDNN the row-major matrix, which its matmul repacks for the bf16 units inside every call:
     on AMX a product of 56 rows took 1.7-1.9x as long as from the blocked copy (``[1408, 512]``, one or two threads;
     oneDNN's own timing of the kernel alone 145 against 72 us on one), of 4,096 rows as long.  The row-major
-    ``weight16`` stays (the fused decode step reads it): the copies are each matrix's third."""
+    ``weight16`` stays (the fused decode step reads it): a copy is its matrix's third."""
     hybrid = [x for x in linears if isinstance(x, HybridLinear)]
     size = sum(x.weight16.nbytes for x in hybrid)
     if not hybrid or size > budget_bytes or not onednn_blocking_available():

@@ -43,7 +43,7 @@ DTYPES = {
 }
 CPU_KV_FRACTION = 0.5  # share of the available RAM the KV cache takes on a CPU by default ...
 CPU_KV_CAP_BYTES = 2 << 30  # ... at most (engine.toml kv_cache_fraction, kv_cache_max_gb_cpu)
-BLOCKED_RAM_SHARE = 0.25  # most of the available RAM hybrid matrices' oneDNN-blocked copies may take (else none)
+BLOCKED_RAM_SHARE = 0.25  # most of the free RAM hybrid matrices' oneDNN-blocked copies may take (else none)
 DEFAULT_MAX_SEQS = 64  # the default KV budget never exceeds this many full-length sequences
 MEMORY_UTILIZATION = 0.90  # share of a GPU's memory the executor may hold (weights, activations, KV cache)
 PROFILE_TOKENS = 8192  # the prefill chunk the CUDA memory profile runs (capped by the context length)
@@ -234,15 +234,16 @@ class ModelRunner(RunnerGraphs):
         return [getattr(layer, name) for layer in self.model.layers for name in FUSED_MATRICES]
 
     def _block_bf16_products(self) -> int:
-        """oneDNN-blocked copies of hybrid matrices for prefill products while they take at most
-        :data:`BLOCKED_RAM_SHARE` of the memory still available (:func:`.linear.block_bf16_products`)."""
+        """oneDNN-blocked copies of the layers' hybrid matrices for prefill products while they take at most
+        :data:`BLOCKED_RAM_SHARE` of the memory still free (:func:`.linear.block_bf16_products`).  Not the head's: a
+        prefill's logits are taken after its bf16 rows (the packed product).  Made before the KV cache is sized, which
+        on a CPU takes a share of the memory then free."""
         if "hybrid" not in self.model.weight_formats:
             return 0
-        linears = [self.model.lm_head, *self._layer_matrices()]
-        added = block_bf16_products(linears, int(_available_ram() * BLOCKED_RAM_SHARE))
+        added = block_bf16_products(self._layer_matrices(), int(_available_ram() * BLOCKED_RAM_SHARE))
         log.info("bf16 prefill products: %s", f"oneDNN-blocked copies ({added / 2**20:.1f} MiB added)" if added
                  else "F.linear (no blocked copies: no native bf16 or oneDNN's bf16, or they would take over "
-                      f"{BLOCKED_RAM_SHARE:.0%} of the available memory)")
+                      f"{BLOCKED_RAM_SHARE:.0%} of the free memory)")
         return added
 
     def new_decode_helper(self) -> DecodeHelper | None:
