@@ -213,6 +213,9 @@ class Scheduler:
 
     def end_turn(self, seq_id: int, in_tool_call: bool, now: float | None = None) -> None:
         now = self.clock() if now is None else now
+        req = self.requests.get(seq_id) or self.ended.get(seq_id)
+        if req is not None and in_tool_call:  # the tool runs from now, whenever the turn's blocks come back
+            req.session.tool_started = now
         req = self.requests.get(seq_id)
         if req is not None:  # still running: stop it; applied now, or when its step is back
             req.end_tool = in_tool_call
@@ -229,8 +232,6 @@ class Scheduler:
 
     def _end(self, req: Request, in_tool_call: bool, now: float) -> None:
         session = req.session
-        if in_tool_call:
-            session.tool_started = now
         if session.active is not None or not session.holds_blocks:
             return  # nothing retained, or the next turn already claimed the blocks
         if in_tool_call and self.policy.retain_on_tool_call:
@@ -514,9 +515,13 @@ class Scheduler:
             self.releases.append(req.seq_id)
         session = req.session
         retain = req.had_kv and req.block_table and self.policy.retains
-        if retain and not session.closed and session.active is None:
+        after = session.active  # the session's next turn, if it came while this one's plans were still running
+        if retain and not session.closed and (after is None or after.state is ReqState.WAITING):
             self.kv.retain(req, session)
-            self._pin(session, now + self.config.kv.turn_end_grace_s)
+            if after is None:
+                self._pin(session, now + self.config.kv.turn_end_grace_s)
+            else:
+                self._hand_on(session, req, after)
         else:
             self.kv.free(req)
             if session.active is None:
@@ -528,6 +533,18 @@ class Scheduler:
             self._end(req, req.end_tool, now)
         else:
             self.ended[req.seq_id] = req
+
+    def _hand_on(self, session: SessionKV, req: Request, after: Request) -> None:
+        """``req``'s table, just retained by its session, for the session's next turn ``after``, which arrived before
+        ``req`` let go (a tool answered at once) and waits for admission: kept up to the longest prefix the two share,
+        as when the turn comes later, and ``after`` classed again by it (it was classed by the prefix cache alone)."""
+        self._truncate_session(session, after.tokens, _common_prefix(req.tokens, after.tokens))
+        self._claim(session)
+        phase = after.phase
+        self._classify(after, self.kv.peek_cached(after))
+        if after.phase is not phase:  # into its new class's waiting queue
+            self.q.waiting[phase].remove(after)
+            self.q.push_waiting(after)
 
     def _preempt(self, req: Request, now: float) -> None:
         self.q.remove(req)

@@ -122,6 +122,38 @@ def test_classes_from_what_is_cached_and_tool_retention():
     assert d.sched.stats()["prefix_hit_rate"] > 0.4
 
 
+@pytest.mark.parametrize("full_prompt", [False, True])
+def test_a_tool_result_sent_before_the_last_plan_is_back_still_resumes_on_the_kept_kv(full_prompt):
+    """A client that answers a tool call at once (its result arrives while a decode plan sent ahead for the
+    finished turn is still running) gets the whole turn's KV, as one that answers later does."""
+    d = Driver(lookahead=1)
+    # between what the prefix cache's full blocks leave uncached (74 tokens) and what the kept KV does (61): the
+    # turn is classed cold when it comes and must be classed a resume once it has the kept KV
+    threshold = dataclasses.replace(d.sched.config.scheduler, cold_threshold_tokens=64)
+    d.sched.config = dataclasses.replace(d.sched.config, scheduler=threshold)
+    sid = d.sched.open_session("agent")
+    prompt = list(range(10, 1010))
+    seq = d.sched.submit(sid, prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    while not any(e.seq_id == seq and e.finished for e in d.events):
+        d.pump()
+        d.land()
+    assert d.pending, "a plan sent ahead is still running"
+    d.sched.end_turn(seq, in_tool_call=True, now=d.now)
+    held = d.sched.sessions[sid].tokens
+    tool = list(range(5000, 5060))
+    d.now += 0.002  # the tool's time, shorter than the plan still running
+    resume = d.sched.submit(sid, held + tool if full_prompt else tool, SamplingParams(max_tokens=2, ignore_eos=True),
+                            full_prompt=full_prompt, now=d.now)
+    assert d.sched.requests[resume].phase is Phase.COLD
+    assert list(d.sched.sessions[sid].tool_latencies) == [pytest.approx(0.002)], "timed from the turn's end"
+    d.land()  # the plan sent ahead comes back: the finished turn lets go of its blocks
+    req = d.sched.requests[resume]
+    assert req.phase is Phase.RESUME, "classed by the kept KV, not by the prefix cache's full blocks"
+    d.until_finished(resume)
+    assert req.num_cached == len(held) - 1, "the whole previous turn (but its last sampled token) was resident"
+    d.sched.check()
+
+
 def test_tool_ttl_comes_from_observed_latencies():
     d = Driver()
     sid = d.sched.open_session()
@@ -671,12 +703,15 @@ def test_end_turn_while_in_flight_applies_when_the_step_returns():
     d.pump()
     d.land()
     d.pump()  # a decode step in flight
-    d.sched.end_turn(seq, in_tool_call=True, now=d.now)
+    ended = d.now
+    d.sched.end_turn(seq, in_tool_call=True, now=ended)
     assert seq in d.sched.requests, "still in flight"
     d.land()
+    assert d.now > ended
     assert any(e.seq_id == seq and e.finish is Finish.ABORT for e in d.events)
     session = d.sched.sessions[sid]
-    assert session.holds_blocks and session.pin_deadline > d.now and session.tool_started == d.now
+    assert session.holds_blocks and session.pin_deadline > d.now, "the pin: when the step is back"
+    assert session.tool_started == ended, "the tool: from the turn's end (the client has the call then)"
 
 
 def test_executor_error_ends_the_failed_step_with_error_and_frees_the_lane():
