@@ -347,7 +347,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------- batch host
     def admit(self, req: Request, batch: Batch) -> bool:
-        """Give a waiting request blocks and move it to its prefill queue (its class rechecked)."""
+        """Give a waiting request blocks and move it to its prefill queue (its class rechecked).  Not while its
+        session's previous turn, finished, still has plans out and will keep its table: that comes back with the
+        turn's last plan, about one decode step away, and goes to ``req`` then (:meth:`_hand_on`)."""
+        if self.policy.retains and any(r.session is req.session and r.had_kv and r.block_table
+                                       for r in self.letting_go.values()):
+            return False
         result = self.kv.admit(req)
         if result is Admit.NO_SPACE:
             batch.blocked = True
@@ -516,15 +521,23 @@ class Scheduler:
         session = req.session
         retain = req.had_kv and req.block_table and self.policy.retains
         after = session.active  # the session's next turn, if it came while this one's plans were still running
+        moved_on = after is None and session.tokens is not req.tokens  # ... and ended before them (an abort)
+        if moved_on and session.holds_blocks:
+            retain = False  # the session holds that later turn's table: keep it
         if retain and not session.closed and (after is None or after.state is ReqState.WAITING):
             self.kv.retain(req, session)
-            if after is None:
-                self._pin(session, now + self.config.kv.turn_end_grace_s)
-            else:
+            if after is not None:
                 self._hand_on(session, req, after)
+            else:
+                if moved_on:  # kept only as far as the conversation since agrees with this turn's tokens
+                    conversation = session.tokens
+                    self._truncate_session(session, conversation, _common_prefix(req.tokens, conversation))
+                    session.tokens = conversation
+                if session.holds_blocks:
+                    self._pin(session, now + self.config.kv.turn_end_grace_s)
         else:
             self.kv.free(req)
-            if session.active is None:
+            if session.active is None and not moved_on:
                 self._release_session(session)
         if session.closed:
             self._drop_session(session)

@@ -122,6 +122,19 @@ def test_classes_from_what_is_cached_and_tool_retention():
     assert d.sched.stats()["prefix_hit_rate"] > 0.4
 
 
+def _a_turn_ended_in_a_tool_call_with_a_plan_still_out(d: Driver) -> tuple[str, list[int]]:
+    """A session's 1,000-token turn, finished (6 tokens) and ended in a tool call while the decode plan queued ahead
+    of its last token still runs; the session and the turn's tokens."""
+    sid = d.sched.open_session("agent")
+    seq = d.sched.submit(sid, list(range(10, 1010)), SamplingParams(max_tokens=6, ignore_eos=True))
+    while not any(e.seq_id == seq and e.finished for e in d.events):
+        d.pump()
+        d.land()
+    assert d.pending, "a plan sent ahead is still running"
+    d.sched.end_turn(seq, in_tool_call=True, now=d.now)
+    return sid, d.sched.sessions[sid].tokens
+
+
 @pytest.mark.parametrize("full_prompt", [False, True])
 def test_a_tool_result_sent_before_the_last_plan_is_back_still_resumes_on_the_kept_kv(full_prompt):
     """A client that answers a tool call at once (its result arrives while a decode plan sent ahead for the
@@ -131,26 +144,40 @@ def test_a_tool_result_sent_before_the_last_plan_is_back_still_resumes_on_the_ke
     # turn is classed cold when it comes and must be classed a resume once it has the kept KV
     threshold = dataclasses.replace(d.sched.config.scheduler, cold_threshold_tokens=64)
     d.sched.config = dataclasses.replace(d.sched.config, scheduler=threshold)
-    sid = d.sched.open_session("agent")
-    prompt = list(range(10, 1010))
-    seq = d.sched.submit(sid, prompt, SamplingParams(max_tokens=6, ignore_eos=True))
-    while not any(e.seq_id == seq and e.finished for e in d.events):
-        d.pump()
-        d.land()
-    assert d.pending, "a plan sent ahead is still running"
-    d.sched.end_turn(seq, in_tool_call=True, now=d.now)
-    held = d.sched.sessions[sid].tokens
+    sid, held = _a_turn_ended_in_a_tool_call_with_a_plan_still_out(d)
     tool = list(range(5000, 5060))
     d.now += 0.002  # the tool's time, shorter than the plan still running
     resume = d.sched.submit(sid, held + tool if full_prompt else tool, SamplingParams(max_tokens=2, ignore_eos=True),
                             full_prompt=full_prompt, now=d.now)
     assert d.sched.requests[resume].phase is Phase.COLD
     assert list(d.sched.sessions[sid].tool_latencies) == [pytest.approx(0.002)], "timed from the turn's end"
+    d.pump()  # as the server does right after a submit: the turn is not admitted yet, its table is on its way
+    assert d.sched.requests[resume].num_cached == 0 and d.sched.requests[resume].block_table == []
     d.land()  # the plan sent ahead comes back: the finished turn lets go of its blocks
     req = d.sched.requests[resume]
     assert req.phase is Phase.RESUME, "classed by the kept KV, not by the prefix cache's full blocks"
     d.until_finished(resume)
     assert req.num_cached == len(held) - 1, "the whole previous turn (but its last sampled token) was resident"
+    d.sched.check()
+
+
+def test_a_turn_let_go_after_the_next_one_ended_keeps_only_what_the_conversation_still_shares():
+    """The next turn came (its prompt diverging from the finished turn's tokens) and was aborted while the finished
+    turn's last plan still ran: the table that plan brings back is kept only for the prefix both share, so a third
+    turn appended to the conversation is served KV of its own tokens (the fake executor checks every cached
+    token against the prompt)."""
+    d = Driver(lookahead=1)
+    sid, held = _a_turn_ended_in_a_tool_call_with_a_plan_still_out(d)
+    edited = held[:500] + list(range(7000, 7100))  # a conversation that diverges at token 500
+    second = d.sched.submit(sid, edited, SamplingParams(max_tokens=2), full_prompt=True, now=d.now)
+    d.pump()
+    d.sched.abort(second, d.now)
+    d.land()  # the finished turn lets go now: its table must not stand for the edited conversation
+    session = d.sched.sessions[sid]
+    assert session.tokens == edited and session.num_computed <= 496
+    third = d.sched.submit(sid, list(range(8000, 8020)), SamplingParams(max_tokens=2, ignore_eos=True), now=d.now)
+    d.until_finished(third)
+    assert 0 < d.sched.cached_tokens(third) <= 496
     d.sched.check()
 
 
