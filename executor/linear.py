@@ -12,8 +12,10 @@
   Which rows are which is set per forward with :func:`bf16_rows` — by the chunk a row belongs to, never by
   the batch's size, so which rows multiply in bf16 never depends on what a chunk is batched with (the bf16
   products are oneDNN's, whose rounding on AMX varies with the product's row and thread counts).  Twice the
-  weight memory of either alone.  :func:`gated_mlp` keeps the bf16 rows in bf16 between the MLP's two products, and
-  where every row is a bf16 row the model hands products their inputs in bf16 (:func:`input_dtype`).
+  weight memory of either alone; three times where the bf16 matrix also has a copy in oneDNN's blocked layout for
+  those products (:func:`block_bf16_products`).  :func:`gated_mlp` keeps the bf16 rows in bf16 between the MLP's
+  two products, and where every row is a bf16 row the model hands products their inputs in bf16
+  (:func:`input_dtype`).
 
 Which one a matrix gets (:func:`choose_format`) under the ``weights`` setting: ``dense`` always dense;
 ``fp16`` packs every matrix; ``hybrid`` makes every matrix hybrid; ``auto``, on a CPU running fp32 when the
