@@ -11,8 +11,9 @@
  *   cache   [num_blocks, block_size, token_elems]   fp16 bits (token_elems = kv_heads * dim)
  *   blocks  [>= ceil(n / block_size)]               int64 block ids, in the sequence's order
  *   out     [n, token_elems]                        bf16 bits: the sequence's first n tokens
- * 16 values at a time on AVX-512, 8 on AVX2, then one by one; blocks are split over `threads` OpenMP threads.  Returns 0; -1 for a block id outside [0, num_blocks) (nothing
- * written); -2 where the build has no F16C (gather_bf16_available() says so).
+ * 16 values at a time on AVX-512, 8 on AVX2, then one by one; blocks are split over `threads` OpenMP threads.
+ * Returns 0; -1 for a block id outside [0, num_blocks) (nothing written); -2 where the build has no F16C
+ * (gather_bf16_available() says so).
  */
 #include <stdint.h>
 #include <string.h>

@@ -213,16 +213,15 @@ class Scheduler:
 
     def end_turn(self, seq_id: int, in_tool_call: bool, now: float | None = None) -> None:
         now = self.clock() if now is None else now
-        req = self.requests.get(seq_id) or self.ended.get(seq_id)
-        if req is not None and in_tool_call:  # the tool runs from now, whenever the turn's blocks come back
+        running = self.requests.get(seq_id)
+        req = running or self.ended.get(seq_id)
+        if req is None:
+            return
+        if in_tool_call:  # the tool runs from now, whenever the turn's blocks come back
             req.session.tool_started = now
-        req = self.requests.get(seq_id)
-        if req is not None:  # still running: stop it; applied now, or when its step is back
+        if running is not None:  # still running: stop it; applied now, or when its step is back
             req.end_tool = in_tool_call
             self.pending_events += self.abort(seq_id, now)
-            return
-        req = self.ended.get(seq_id)
-        if req is None:
             return
         if req.inflight:  # finished with plans still out: its blocks come back with the last result
             req.end_tool = in_tool_call
