@@ -4,6 +4,9 @@ the format choice on both CPU classes (with and without native bf16)."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -145,6 +148,62 @@ def test_a_blocked_hybrid_matrix_multiplies_its_bf16_rows_from_the_blocked_copy(
     assert product.dtype == torch.bfloat16 and torch.equal(got, product.float() + b)
     assert torch.allclose(product.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
     assert torch.equal(lin(x), PackedFp16Linear(w, b)(x))  # decode rows: the packed product, untouched
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_bf16_products_run_on_row_counts_padded_to_a_multiple_and_return_the_rows_asked_for(blocked, monkeypatch):
+    """Every row count reaches oneDNN rounded up to ``PRODUCT_ROWS`` (it builds a kernel per count it meets); the
+    padding's rows are dropped and each row's result is its own product (rows are independent)."""
+    if blocked and not onednn_blocking_available():
+        pytest.skip("no oneDNN-blocked bf16 products on this CPU")
+    seen: list[int] = []
+    where, name = (linear_module, "_blocked_product") if blocked else (F, "linear")
+    monkeypatch.setattr(where, name, _Spy(getattr(where, name), seen))
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 64, generator=g).bfloat16().float()
+    lin = HybridLinear(w, None)
+    if blocked:
+        block_bf16_products([lin], lin.weight16.nbytes)
+    dense = DenseLinear(w.bfloat16(), None)
+    for rows in (1, 7, 8, 13, 56, 61):
+        x = torch.randn(rows, 64, generator=g)
+        got, got_dense = lin.bf16_product(x), dense(x.bfloat16())
+        ref = x.bfloat16().float() @ w.bfloat16().float().T
+        for y in (got, got_dense):
+            assert y.shape == (rows, 96)
+            assert torch.allclose(y.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+    assert seen and all(n % linear_module.PRODUCT_ROWS == 0 for n in seen), seen
+
+
+class _Spy:
+    def __init__(self, product, seen: list[int]) -> None:
+        self.product, self.seen = product, seen
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self.seen.append(x.shape[0])
+        return self.product(x, *args, **kwargs)
+
+
+KERNEL_BUILDS = """
+import torch
+from agentserve.executor.linear import HybridLinear, block_bf16_products
+torch.set_num_threads(1)
+lin = HybridLinear(torch.randn(256, 128), None)
+block_bf16_products([lin], lin.weight16.nbytes)
+for rows in range(1, 65):
+    lin.bf16_product(torch.randn(rows, 128))
+"""
+
+
+@needs_blocking
+def test_products_of_64_row_counts_build_a_kernel_per_padded_count_only():
+    """oneDNN's own account (its verbose log of kernel builds): products of 1..64 rows build one inner-product
+    kernel per multiple of ``PRODUCT_ROWS``, not one per row count."""
+    env = {**os.environ, "ONEDNN_VERBOSE": "profile_create"}
+    done = subprocess.run([sys.executable, "-c", KERNEL_BUILDS], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    builds = [line for line in done.stdout.splitlines() if "create:cache_miss" in line and "ic128oc256" in line]
+    assert len(builds) == 64 // linear_module.PRODUCT_ROWS, builds
 
 
 def test_blocked_bf16_products_are_available_wherever_pytorch_multiplies_on_amx_tiles():
