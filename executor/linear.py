@@ -139,21 +139,24 @@ class HybridLinear:
 
 
 def on_padded_rows(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``product(x)`` for a 2-D ``x``, computed on ``x`` with zero rows added up to a multiple of ``PRODUCT_ROWS``
-    (their results dropped).
+    """``product(x)`` for a 2-D ``x`` of more than ``PRODUCT_ROWS`` rows on a CPU with native bf16, computed on ``x``
+    with zero rows added up to a multiple of ``PRODUCT_ROWS`` (their results dropped); else ``product(x)`` as it is.
 
-    oneDNN builds (JIT-compiles) a bf16 kernel for each row count it meets and keeps it: 0.6-1 ms a matrix shape,
-    where the product itself takes 0.1-0.2 ms at ~56 rows.  A server's prefill steps come in every row count (a
+    There oneDNN builds (JIT-compiles) a bf16 kernel for each row count it meets and keeps it: 0.6-1 ms a matrix
+    shape, where the product itself takes 0.1-0.2 ms at ~56 rows.  A server's prefill steps come in every row count (a
     resume is as long as its tool's answer), so a resume of a count not met before paid four such builds: on AMX,
     resumes of 40-64 rows over 3,000 cached tokens took 31-32 ms at the median the first time against 27-29 ms
-    again (one thread; 24 against 18 on two), and 28 / 19-20 ms padded.  Padded, a server meets one count in 8 (32
-    up to a 256-row chunk), and oneDNN's cache of 1,024 kernels is not cycled through.  Rows are independent: each
-    keeps its unpadded product's bits but at a few row counts where oneDNN picks another kernel (e.g. 33-36 on
-    AMX: a bf16 rounding apart).
+    again (one thread; 24 against 18 on two), and 28 / 19-20 ms padded.  Padded, a server meets 8 counts up to 8 rows
+    and one in 8 above (39 up to a 256-row chunk), and oneDNN's cache of 1,024 kernels is not cycled through.  Up to 8
+    rows (decode steps, short resumes) there are few counts, and a padded product of one row took up to 1.2x as long;
+    without native bf16 PyTorch's bf16 products build nothing and an 8-row one took 8x a one-row one, so neither is
+    padded.  Rows are independent: each keeps its unpadded product's bits but at a few row counts that depend on the
+    shape and the thread count (on AMX: 33-36 rows, and for some shapes 249-255 on two threads), where
+    oneDNN picks another kernel: a bf16 rounding apart.
     """
     rows = x.shape[0]
     pad = -rows % PRODUCT_ROWS
-    if pad == 0 or x.dim() != 2:
+    if pad == 0 or rows < PRODUCT_ROWS or x.dim() != 2 or not cpu_has_fast_bf16():
         return product(x)
     return product(F.pad(x, (0, 0, 0, pad)))[:rows]
 

@@ -150,12 +150,16 @@ def test_a_blocked_hybrid_matrix_multiplies_its_bf16_rows_from_the_blocked_copy(
     assert torch.equal(lin(x), PackedFp16Linear(w, b)(x))  # decode rows: the packed product, untouched
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
 @pytest.mark.parametrize("blocked", [False, True])
-def test_bf16_products_run_on_row_counts_padded_to_a_multiple_and_return_the_rows_asked_for(blocked, monkeypatch):
-    """Every row count reaches oneDNN rounded up to ``PRODUCT_ROWS`` (it builds a kernel per count it meets); the
-    padding's rows are dropped and each row's result is its own product (rows are independent)."""
+def test_bf16_products_of_more_than_8_rows_run_padded_to_a_multiple_where_the_cpu_has_native_bf16(
+        blocked, native_bf16, monkeypatch):
+    """Where oneDNN runs bf16 natively (it builds a kernel per row count it meets) row counts above ``PRODUCT_ROWS``
+    reach it rounded up to a multiple of it, fewer as they are; elsewhere every count as it is.  The padding's rows
+    are dropped and each row's result is its own product (rows are independent)."""
     if blocked and not onednn_blocking_available():
         pytest.skip("no oneDNN-blocked bf16 products on this CPU")
+    monkeypatch.setattr(linear_module, "cpu_has_fast_bf16", lambda: native_bf16)
     seen: list[int] = []
     where, name = (linear_module, "_blocked_product") if blocked else (F, "linear")
     monkeypatch.setattr(where, name, _Spy(getattr(where, name), seen))
@@ -165,14 +169,17 @@ def test_bf16_products_run_on_row_counts_padded_to_a_multiple_and_return_the_row
     if blocked:
         block_bf16_products([lin], lin.weight16.nbytes)
     dense = DenseLinear(w.bfloat16(), None)
-    for rows in (1, 7, 8, 13, 56, 61):
+    counts = (1, 7, 8, 13, 56, 61)
+    for rows in counts:
         x = torch.randn(rows, 64, generator=g)
         got, got_dense = lin.bf16_product(x), dense(x.bfloat16())
         ref = x.bfloat16().float() @ w.bfloat16().float().T
         for y in (got, got_dense):
             assert y.shape == (rows, 96)
             assert torch.allclose(y.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
-    assert seen and all(n % linear_module.PRODUCT_ROWS == 0 for n in seen), seen
+    step = linear_module.PRODUCT_ROWS
+    expect = [n if n <= step or not native_bf16 else -(-n // step) * step for n in counts]
+    assert seen == [n for n in expect for _ in range(1 if blocked else 2)], seen
 
 
 class _Spy:
@@ -198,12 +205,13 @@ for rows in range(1, 65):
 @needs_blocking
 def test_products_of_64_row_counts_build_a_kernel_per_padded_count_only():
     """oneDNN's own account (its verbose log of kernel builds): products of 1..64 rows build one inner-product
-    kernel per multiple of ``PRODUCT_ROWS``, not one per row count."""
+    kernel per count up to ``PRODUCT_ROWS`` and one per multiple of it above, not one per row count."""
     env = {**os.environ, "ONEDNN_VERBOSE": "profile_create"}
     done = subprocess.run([sys.executable, "-c", KERNEL_BUILDS], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     builds = [line for line in done.stdout.splitlines() if "create:cache_miss" in line and "ic128oc256" in line]
-    assert len(builds) == 64 // linear_module.PRODUCT_ROWS, builds
+    step = linear_module.PRODUCT_ROWS
+    assert len(builds) == (step - 1) + 64 // step, builds
 
 
 def test_blocked_bf16_products_are_available_wherever_pytorch_multiplies_on_amx_tiles():
