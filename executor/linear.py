@@ -42,7 +42,7 @@ from agentserve.executor.layers import silu_mul
 WEIGHTS_SETTINGS = ("auto", "dense", "fp16", "hybrid")  # what a user asks for; a matrix ends up as one of the rest
 FP16_MAX = 65504.0
 ALL_ROWS = slice(None)
-PRODUCT_ROWS = 8  # a CPU bf16 product runs on a multiple of this many rows (:func:`on_padded_rows`)
+PRODUCT_ROWS = 8  # a CPU bf16 product of more rows runs on a multiple of this many (:func:`on_padded_rows`)
 _rows = threading.local()  # this thread's forward: which rows hybrid matrices run in bf16 (lane threads differ)
 
 
