@@ -349,8 +349,7 @@ class Scheduler:
         """Give a waiting request blocks and move it to its prefill queue (its class rechecked).  Not while its
         session's previous turn, finished, still has plans out and will keep its table: that comes back with the
         turn's last plan, about one decode step away, and goes to ``req`` then (:meth:`_hand_on`)."""
-        if self.policy.retains and any(r.session is req.session and r.had_kv and r.block_table
-                                       for r in self.letting_go.values()):
+        if any(r.session is req.session and self._keeps_table(r) for r in self.letting_go.values()):
             return False
         result = self.kv.admit(req)
         if result is Admit.NO_SPACE:
@@ -518,7 +517,7 @@ class Scheduler:
         if req.sampling_sent or req.blocks_sent:
             self.releases.append(req.seq_id)
         session = req.session
-        retain = req.had_kv and req.block_table and self.policy.retains
+        retain = self._keeps_table(req)
         after = session.active  # the session's next turn, if it came while this one's plans were still running
         moved_on = after is None and session.tokens is not req.tokens  # ... and ended before them (an abort)
         if moved_on and session.holds_blocks:
@@ -545,6 +544,10 @@ class Scheduler:
             self._end(req, req.end_tool, now)
         else:
             self.ended[req.seq_id] = req
+
+    def _keeps_table(self, req: Request) -> bool:
+        """Whether ``req``, letting go, offers its table to its session (it computed KV and the policy retains)."""
+        return bool(req.had_kv and req.block_table and self.policy.retains)
 
     def _hand_on(self, session: SessionKV, req: Request, after: Request) -> None:
         """``req``'s table, just retained by its session, for the session's next turn ``after``, which arrived before
