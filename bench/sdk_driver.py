@@ -33,7 +33,7 @@ class SDKSession:
 class SDKDriver:
     """``endpoint`` as ``agentserve up`` prints it (``ipc://…`` or ``tcp://…``)."""
 
-    def __init__(self, endpoint: str, *, name: str = "agentserve", system: str = "") -> None:
+    def __init__(self, endpoint: str, *, name: str = "agentserve", system: str | None = None) -> None:
         self.endpoint = endpoint
         self.name = name
         self.system = system

@@ -141,7 +141,7 @@ class AsyncAgentClient(ClientBase):
 
     async def session(
         self,
-        system: str = "",
+        system: str | None = None,
         tools: Iterable[dict[str, Any]] | None = None,
         *,
         name: str = "",

@@ -48,7 +48,7 @@ def to_message(m: MessageLike) -> Message:
 
 
 def open_request(
-    req: int, system: str, tools: Iterable[Mapping[str, Any]] | None, name: str, parse_tool_calls: bool
+    req: int, system: str | None, tools: Iterable[Mapping[str, Any]] | None, name: str, parse_tool_calls: bool
 ) -> OpenSession:
     return OpenSession(
         req=req,

@@ -128,13 +128,16 @@ class AgentClient(ClientBase):
 
     def session(
         self,
-        system: str = "",
+        system: str | None = None,
         tools: Iterable[dict[str, Any]] | None = None,
         *,
         name: str = "",
         parse_tool_calls: bool = True,
     ) -> Session:
         """Open a session: a conversation whose KV the server keeps between turns.
+
+        ``system`` is its system prompt: None sends no system message (the chat template's default, if it has one,
+        applies), ``""`` an empty one.
 
         Given up before its ``SessionOpened`` came (Ctrl-C, a timeout), the session is closed once that comes:
         there is no background reader, so when this client next reads (any later request or turn).

@@ -140,8 +140,8 @@ class Backend:
         data = await asyncio.wait_for(client.stats(), timeout)
         return decode_snapshot(data)
 
-    async def open_session(self, system: str = "", tools: list[dict[str, Any]] | None = None, name: str = "http",
-                           parse_tool_calls: bool = True) -> AsyncSession:
+    async def open_session(self, system: str | None = None, tools: list[dict[str, Any]] | None = None,
+                           name: str = "http", parse_tool_calls: bool = True) -> AsyncSession:
         """A new session (closed if the request is cancelled meanwhile).  Where the orchestrator refuses it
         because this connection holds its limit of sessions, the conversation filed longest ago is closed and the
         open retried; with none filed (every session is a request in flight) the answer is ``busy``.  Closes

@@ -50,7 +50,7 @@ class ChoiceRun:
         t = self.plan.translated
         await self._send(await self._open(t.system), t.messages)
 
-    async def _open(self, system: str) -> Any:
+    async def _open(self, system: str | None) -> Any:
         try:
             return await self.backend.open_session(system, self.plan.tools)
         except AgentServeError as e:

@@ -86,7 +86,7 @@ def canonical_args(args: dict[str, Any] | str) -> str:
 
 @dataclass
 class Translated:
-    system: str  # the first system/developer message, the session's system prompt ("" if none)
+    system: str | None  # the first system/developer message, the session's system prompt (None if none)
     messages: list[Message]  # everything after it, in the orchestrator's shape
     canonical: list[Canonical]  # every message, the system prompt included
 
@@ -119,7 +119,7 @@ def translate(messages: list[ChatMessage]) -> Translated:
         out.append(Message(role=role, content=text, tool_call_id=m.tool_call_id or "", name=m.name or "",
                            tool_calls=calls))
         canon.append(Canonical(role, text, m.name or "", m.tool_call_id or "", tuple(keys)))
-    system = ""
+    system = None
     if out[0].role == "system":
         system = out.pop(0).content
     if not out:

@@ -44,7 +44,7 @@ def _token_ids(req: TokenizeRequest, tokenizer: Tokenizer, limits: Limits) -> li
     t = translate(req.messages or [])
     tools = tool_dicts(req.tools)
     check_conversation(t, tools, limits)
-    head = [Message("system", t.system)] if t.system else []
+    head = [Message("system", t.system)] if t.system is not None else []
     try:
         text = tokenizer.apply_chat_template([m.as_dict() for m in head + t.messages], tools or None,
                                              req.add_generation_prompt)  # tools as a chat request sends them

@@ -23,7 +23,7 @@ from agentserve.protocol.client_messages import ErrorCode, ProtocolError, Turn
 @dataclass
 class Conversation:
     tokenizer: Tokenizer
-    system: str = ""
+    system: str | None = None  # None: no system message; "" an empty one (rendered, unlike None)
     tools: list[dict[str, Any]] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # prompt + output of the turns so far
@@ -33,7 +33,7 @@ class Conversation:
     _pending_text: str = ""  # the rendered prompt of the running turn
 
     def head(self) -> list[dict[str, Any]]:
-        return [{"role": "system", "content": self.system}] if self.system else []
+        return [{"role": "system", "content": self.system}] if self.system is not None else []
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(self.head() + messages, self.tools or None, add_generation_prompt)
@@ -63,7 +63,7 @@ class Conversation:
     def text_to_tokenize(self, turn: Turn) -> int:
         """About how many bytes of text :meth:`prompt_for` tokenizes for ``turn`` (the rule for doing it off the
         loop): the new messages, and the system prompt, tools and history too while nothing exact is cached."""
-        head = len(self.system.encode()) + (len(msgspec.msgpack.encode(self.tools)) if self.tools else 0)
+        head = len((self.system or "").encode()) + (len(msgspec.msgpack.encode(self.tools)) if self.tools else 0)
         if turn.token_ids:
             return 0 if self.tokens else head
         new = sum(m.text_bytes() for m in turn.messages)

@@ -344,7 +344,7 @@ class Server:
             raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, why, msg.req)
         conv = Conversation(self.tokenizer, system=msg.system, tools=list(msg.tools))
         rec = SessionRecord(self.sessions.new_id(), client, msg.options.name, conv, msg.options.parse_tool_calls)
-        size = len(msg.system) + (len(msgspec.msgpack.encode(msg.tools)) if msg.tools else 0)
+        size = len(msg.system or "") + (len(msgspec.msgpack.encode(msg.tools)) if msg.tools else 0)
         if size > self.options.limits.clients.tokenize_inline_bytes:
             self._check_worker_room(client, size, msg.req)
             self.sessions.add(rec)  # announced when the worker has rendered it

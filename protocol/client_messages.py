@@ -138,7 +138,7 @@ class Hello(WireStruct, tag="hello"):
 class OpenSession(WireStruct, tag="open"):
     req: int
     version: int
-    system: str = ""
+    system: str | None = None  # None: no system message (the template's default, if it has one); "" an empty one
     tools: list[dict[str, Any]] = []  # JSON schemas, OpenAI function-tool shape
     options: SessionOptions = SessionOptions()
 

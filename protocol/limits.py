@@ -117,7 +117,7 @@ def check_limits(msg: Any, limits: Limits, encoded_tools: int = 0) -> None:
 
 def _check_open(msg: OpenSession, limits: Limits, encoded_tools: int) -> None:
     _check(msg, "max_name_bytes", len(msg.options.name.encode()), limits.max_name_bytes, "session name bytes")
-    _check(msg, "max_system_bytes", len(msg.system.encode()), limits.max_system_bytes, "system prompt bytes")
+    _check(msg, "max_system_bytes", len((msg.system or "").encode()), limits.max_system_bytes, "system prompt bytes")
     _check(msg, "max_tools", len(msg.tools), limits.max_tools, "tools")
     _check(msg, "max_tool_bytes", encoded_tools, limits.max_tool_bytes, "tool schema bytes")
     _check(msg, "max_nesting", nesting(msg.tools, limits.max_nesting), limits.max_nesting, "tool schema nesting")

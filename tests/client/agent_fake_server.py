@@ -132,7 +132,7 @@ class EchoServer:
                     self.aborted.append(gen.req)
         elif isinstance(msg, OpenSession):
             entry = self.table.add(Entry(self.table.new_id(), cid, msg.options.name))
-            self.context[entry.session] = len(msg.system.encode())
+            self.context[entry.session] = len((msg.system or "").encode())
             self.ingress.send(cid, SessionOpened(msg.req, entry.session, self.context[entry.session]))
         elif isinstance(msg, Turn):
             self._start_turn(cid, msg)

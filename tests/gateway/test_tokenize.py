@@ -66,3 +66,18 @@ def test_the_vocabulary_is_the_executors_as_welcome_says(http_server) -> None:
     assert backend.vocab_size == 320
     backend.welcome = SimpleNamespace(vocab_size=0)
     assert backend.vocab_size == 261
+
+
+def test_an_empty_system_message_stays_one_and_none_leaves_the_templates_default(http) -> None:
+    """As ``apply_chat_template`` renders them: ``""`` is an empty system message, no system message gets the
+    template's default (the built-in template has one), in ``/tokenize`` and in the chat prompt alike."""
+    tokenizer = Tokenizer(build_tokenizer(), {}, {"default": CHAT_TEMPLATE}, [])
+    user = {"role": "user", "content": "x"}
+    for messages in ([{"role": "system", "content": ""}, user], [user]):
+        expected = tokenizer.encode_chat(messages)
+        counted = http.post("/tokenize", json={"messages": messages}).json()
+        chat = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert chat.status_code == 200, chat.text
+        assert counted["tokens"] == expected and chat.json()["usage"]["prompt_tokens"] == len(expected)
+    empty, default = (tokenizer.encode_chat(m) for m in ([{"role": "system", "content": ""}, user], [user]))
+    assert len(empty) < len(default)  # the two differ: the test tells them apart

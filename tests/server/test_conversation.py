@@ -75,3 +75,12 @@ def test_the_text_a_turn_tokenizes_counts_what_is_not_cached_exactly(tok: Tokeni
     assert conv.text_to_tokenize(_turn(("user", "more"))) == 4
     raw = Conversation(tok, system="s" * 100_000)
     assert raw.text_to_tokenize(_turn(token_ids=[1, 2])) >= 100_000
+
+
+def test_an_empty_system_prompt_is_rendered_and_none_is_not(tok: Tokenizer) -> None:
+    empty, absent = Conversation(tok, system=""), Conversation(tok)
+    user = {"role": "user", "content": "hi"}
+    assert empty.prompt_for(_turn(("user", "hi")))[0] == tok.encode_chat([{"role": "system", "content": ""}, user])
+    assert absent.prompt_for(_turn(("user", "hi")))[0] == tok.encode_chat([user])
+    assert empty.system_tokens() == tok.encode_chat([{"role": "system", "content": ""}], add_generation_prompt=False)
+    assert absent.system_tokens() == []
