@@ -36,14 +36,20 @@ class ExtraFields(CompletionRequest, kw_only=True):
 
 
 def prompt_ids(req: CompletionRequest, backend: Backend) -> list[int]:
-    """The prompt's token ids (the orchestrator checks them against the model's vocabulary)."""
-    _, _, tokenizer = backend.require()
+    """The prompt's token ids (the orchestrator checks them against the model's vocabulary and the context).  A text
+    prompt longer than the context is refused here, as the orchestrator would: sent on as ids, one of more than
+    ``max_token_ids`` would be refused by that limit instead, which the client did not use."""
+    _, welcome, tokenizer = backend.require()
     prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
         check_prompt_text(prompt, backend.limits)
         ids = tokenizer.encode(prompt, add_special_tokens=True)
+        if len(ids) >= welcome.max_model_len:
+            held = welcome.max_model_len - 1
+            raise bad_request(f"the prompt is {len(ids)} tokens; this server's context holds {held}", param="prompt",
+                              code="context_length_exceeded")
     elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
     else:
@@ -144,8 +150,10 @@ async def completions(request: Request) -> Response:
     req = decode_body(body, ExtraFields)
     backend.require()
     backend.check_model(req.model)
-    if req.n != 1 or req.echo:
-        raise bad_request("this server supports n=1 and no echo on /v1/completions")
+    if req.n != 1:
+        raise bad_request("this server supports n=1 on /v1/completions", param="n")
+    if req.echo:
+        raise bad_request("this server does not echo the prompt on /v1/completions", param="echo")
     options = sampling_options(req, 16 if req.max_tokens is None else req.max_tokens, backend)
     options |= completion_options(req.logprobs)
     text = isinstance(req.prompt, str) or any(isinstance(p, str) for p in req.prompt[:1])

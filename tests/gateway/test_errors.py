@@ -65,11 +65,12 @@ _TOOLS = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(257
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 6000}], "max_tokens": 2},
          "messages", "context_length_exceeded"),
         ("/v1/completions", {"prompt": [1] * 5000, "max_tokens": 2}, "prompt", "context_length_exceeded"),
+        ("/v1/completions", {"prompt": "word " * 6000, "max_tokens": 2}, "prompt", "context_length_exceeded"),
         ("/v1/chat/completions", OK | {"response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"$ref": "#/$defs/missing"}}}}, "response_format", "invalid_request"),
     ],
     ids=["temperature", "min_p", "seed", "completions-top_p", "stop-bytes", "completions-stop-bytes", "tools",
-         "chat-too-long", "completions-too-long", "schema"],
+         "chat-too-long", "completions-too-long", "completions-text-too-long", "schema"],
 )
 def test_the_orchestrators_refusals_name_the_request_field(http, path, body, param, code) -> None:
     """What only the orchestrator judges (sampling ranges, its limits, the context, the grammar) comes back as a
@@ -162,6 +163,12 @@ def test_missing_or_wrong_api_key_is_401_but_health_is_open(http_server) -> None
     lower = {"Authorization": f"bearer {http_server.api_key}"}  # the scheme is case-insensitive (RFC 9110)
     assert httpx.post(http_server.url + "/v1/chat/completions", json=OK, headers=lower).status_code == 200
     assert httpx.get(http_server.url + "/health").status_code == 200
+
+
+def test_what_completions_does_not_take_names_its_field(http) -> None:
+    for field, value in (("n", 2), ("echo", True)):
+        err = _error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: value}), 400)
+        assert err["param"] == field, err
 
 
 def test_explicit_nulls_and_neutral_values_are_the_defaults(http) -> None:

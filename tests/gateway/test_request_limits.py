@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import os
 import subprocess
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from agentserve.executor.builtin import build_tokenizer
+from agentserve.executor.builtin_template import CHAT_TEMPLATE
 from agentserve.gateway.backend import Backend, GatewayOptions
 from agentserve.gateway.completions import prompt_ids
 from agentserve.gateway.errors import APIError
 from agentserve.gateway.schemas import CompletionRequest
+from agentserve.orchestrator.text.tokenization import Tokenizer
 from agentserve.protocol.limits import Limits
 
 from .conftest import HttpServer
@@ -126,6 +130,20 @@ def test_a_prompt_over_the_text_bound_is_refused_before_it_is_tokenised() -> Non
             prompt_ids(CompletionRequest(prompt=prompt), backend)
         assert (e.value.status, e.value.param, e.value.code) == (400, "prompt", "limit_exceeded")
         assert "limits.request.max_text_bytes" in e.value.message
+
+
+def test_a_text_prompt_past_the_context_is_refused_as_such_whatever_it_tokenises_to() -> None:
+    """Past the context and past ``max_token_ids`` too (megabytes of text): still ``context_length_exceeded``, the
+    refusal for what the client sent, not the token-id limit it did not use."""
+    backend = Backend(GatewayOptions(endpoint="ipc:///unused"))
+    backend.client, backend.welcome = object(), SimpleNamespace(max_model_len=16)
+    backend.tokenizer = Tokenizer(build_tokenizer(), {}, {"default": CHAT_TEMPLATE}, [])
+    backend.limits = Limits(max_token_ids=10)
+    assert len(prompt_ids(CompletionRequest(prompt="a" * 15), backend)) == 15
+    with pytest.raises(APIError) as e:
+        prompt_ids(CompletionRequest(prompt="a" * 16), backend)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "prompt", "context_length_exceeded")
+    assert "16 tokens" in e.value.message and "holds 15" in e.value.message
 
 
 def test_until_the_server_announces_its_limits_the_gateway_holds_the_defaults() -> None:
