@@ -200,13 +200,13 @@ def _up(opts: dict[str, Any]) -> int:
         forced.arm()  # one stop is enough: a signal during the clean-up forces it (SIGKILL, everything still removed)
         if gateway is not None:
             gateway.stop()
+        ingress.close()  # before the executor's stop (up to its grace): a client's request then fails at once
         if link is not None:
             link.close()
         if publisher is not None:
             publisher.close()
         if trace is not None:
             trace.close()
-        ingress.close()
         run_cleanups()  # what a stop cut off mid-construction made (a board whose publisher never was assigned)
         ignore_signals()  # done: a signal from here to the exit changes nothing
         if stopped:  # said once the clean-up is done: a forced one exits before this

@@ -96,6 +96,8 @@ class AsyncAgentClient(ClientBase):
                     self._queues[req].put_nowait(_DROPPED)
 
     async def _send(self, msg: Any, expect_reply: bool = True) -> None:
+        if expect_reply:
+            self._link.check_answering(msg.req)
         if not await self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
             raise self._link.unavailable(self.timeout)
         if expect_reply:

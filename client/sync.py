@@ -66,6 +66,8 @@ class AgentClient(ClientBase):
 
     def _send(self, msg: Any, expect_reply: bool = True) -> None:
         self._drain_monitor()
+        if expect_reply:
+            self._link.check_answering(msg.req)
         if not self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
             raise self._link.unavailable(self.timeout)
         self._drain_monitor()

@@ -20,6 +20,7 @@ from agentserve.client.errors import (
     InvalidEndpoint,
     ProtocolViolation,
     ServerDisconnected,
+    ServerShutdown,
     ServerUnavailable,
     from_event,
 )
@@ -29,6 +30,7 @@ from agentserve.protocol.client_messages import (
     ClientCodec,
     CloseSession,
     Error,
+    ErrorCode,
     Hello,
     OpenSession,
     ProtocolError,
@@ -83,12 +85,22 @@ def _error_of_unknown_code(payload: bytes) -> Error | None:
 
 
 class Link:
-    """Connection epoch bookkeeping: a request sent in an older epoch lost its server."""
+    """Connection epoch bookkeeping: a request sent in an older epoch lost its server.  A server that ends its turns
+    with ``server_shutdown`` answers nothing more on that connection: until it drops (a new epoch), a request that
+    expects an answer is refused at once and a session's close has nothing to wait for."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.epoch = 0
         self.codec = ClientCodec()
+        self.shut_down_in: int | None = None  # the epoch in which the server said it is shutting down
+
+    def shutting_down(self) -> bool:
+        return self.shut_down_in == self.epoch
+
+    def check_answering(self, req: int) -> None:
+        if self.shutting_down():
+            raise ServerShutdown(f"the server at {self.endpoint} is shutting down", req=req)
 
     def on_monitor(self, frames: list[bytes]) -> None:
         if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
@@ -98,12 +110,15 @@ class Link:
         if not payload:
             return None
         try:
-            return self.codec.decode(payload)
+            event = self.codec.decode(payload)
         except ProtocolError as e:
             newer = _error_of_unknown_code(payload)
             if newer is not None:
                 return newer
             raise ProtocolViolation(f"undecodable event from the server: {e}") from None
+        if isinstance(event, Error) and event.code is ErrorCode.SERVER_SHUTDOWN:
+            self.shut_down_in = self.epoch
+        return event
 
     def check_epoch(self, sent_epoch: int, req: int) -> None:
         if self.epoch != sent_epoch:
@@ -201,9 +216,11 @@ class SessionBase:
         self._epoch = client._link.epoch  # the connection it lives on: the server closes it when that drops
 
     def _closed_with_connection(self) -> bool:
-        """Whether the connection it was opened on dropped, which closed it on the server (then it is marked closed:
-        a close has nothing to send, and must not wait for a dead server)."""
-        if self.client._link.epoch != self._epoch:
+        """Whether the connection it was opened on dropped, which closed it on the server, or the server said it is
+        shutting down (then it is marked closed: a close has nothing to send, and must not wait for a server that
+        answers no more)."""
+        link = self.client._link
+        if link.epoch != self._epoch or link.shutting_down():
             self._state.closed = True
         return self._state.closed
 

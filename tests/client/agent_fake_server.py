@@ -90,6 +90,7 @@ class EchoServer:
         self.aborted: list[int] = []  # reqs of turns aborted for a gone client
         self.turn_requests: list[Turn] = []
         self._stop = threading.Event()
+        self._shutdown = threading.Event()
         self._thread = threading.Thread(target=self._run, name="echo-server", daemon=True)
 
     def __enter__(self) -> EchoServer:
@@ -103,9 +104,18 @@ class EchoServer:
         self._stop.set()
         self._thread.join(5)
 
+    def shut_down(self) -> None:
+        """As the real server's loop ends on a stop: every running turn ends with ``server_shutdown``, then nothing
+        is answered while the socket stays open (the real one is closed only after the executor has stopped)."""
+        self._shutdown.set()
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                if self._shutdown.is_set():
+                    self._end_all_turns()
+                    self._stop.wait(0.01)
+                    continue
                 for cid, msg in self.ingress.poll(0 if self.gens else 5):
                     self._dispatch(cid, msg)
                 self._step()
@@ -113,6 +123,12 @@ class EchoServer:
                     time.sleep(self.token_delay_s)
         finally:
             self.ingress.close()
+
+    def _end_all_turns(self) -> None:
+        for gen in self.gens.values():
+            why = ProtocolError(ErrorCode.SERVER_SHUTDOWN, "the server is shutting down", gen.req, gen.session)
+            self.ingress.send(gen.client, why.to_event())
+        self.gens.clear()
 
     # ---- requests ----------------------------------------------------------------------------
 

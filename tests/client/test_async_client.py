@@ -11,6 +11,7 @@ from agentserve.client import (
     AsyncAgentClient,
     InvalidSampling,
     ServerDisconnected,
+    ServerShutdown,
     ServerUnavailable,
     TextDelta,
     TokenIds,
@@ -130,6 +131,32 @@ def test_a_session_of_a_dropped_connection_closes_without_waiting_for_the_server
     with pytest.raises(ServerDisconnected):
         run(main())
     assert sent == []
+
+
+def test_after_server_shutdown_a_session_closes_at_once_and_new_requests_are_refused(endpoint):
+    """As in the sync client: after ``server_shutdown`` nothing is answered, so ``async with session`` sends no
+    close and a new session is refused at once (each would have waited out ``timeout``, 20 s here)."""
+    sent = []
+
+    async def main():
+        async with AsyncAgentClient(endpoint, timeout=20) as client:
+            real_send = client._send
+
+            async def recording(msg, expect_reply=True):
+                sent.append(type(msg).__name__)
+                await real_send(msg, expect_reply)
+
+            with pytest.raises(ServerShutdown):
+                async with await client.session() as s:
+                    client._send = recording
+                    async for _ in s.turn("w" * 500):
+                        srv.shut_down()
+            assert sent == ["Turn"]
+            with pytest.raises(ServerShutdown):
+                await client.session()
+
+    with EchoServer(endpoint, token_delay_s=0.02) as srv:
+        run(main())  # within run's 30 s only if neither waited out the 20 s timeout
 
 
 @pytest.mark.parametrize("closed", ["turn", "session"])

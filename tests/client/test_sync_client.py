@@ -14,6 +14,7 @@ from agentserve.client import (
     InvalidSampling,
     PromptTooLong,
     ServerDisconnected,
+    ServerShutdown,
     ServerUnavailable,
     TextDelta,
     TokenIds,
@@ -192,6 +193,32 @@ def test_a_session_of_a_dropped_connection_closes_without_waiting_for_the_server
         assert sent == []
         s.close()  # and again: nothing to do
         assert sent == []
+
+
+def test_after_server_shutdown_a_session_closes_at_once_and_new_requests_are_refused(endpoint):
+    """A stopping server ends its turns with ``server_shutdown`` and answers nothing more, though its socket stays
+    open until its executor has stopped: leaving ``with session`` then sends no close (it waited out ``timeout``),
+    and a new request is refused at once instead of timing out."""
+    with EchoServer(endpoint, token_delay_s=0.02) as srv, AgentClient(endpoint, timeout=20) as client:
+        sent = []
+        real_send = client._send
+
+        def recording(msg, expect_reply=True):
+            sent.append(type(msg).__name__)
+            real_send(msg, expect_reply)
+
+        t0 = time.monotonic()
+        with pytest.raises(ServerShutdown), client.session() as s:
+            client._send = recording
+            it = iter(s.turn("w" * 500))
+            next(it)
+            srv.shut_down()
+            for _ in it:
+                pass
+        assert sent == ["Turn"]
+        with pytest.raises(ServerShutdown):
+            client.session()
+        assert time.monotonic() - t0 < 10  # far from the 20 s timeout either would have waited out
 
 
 @pytest.mark.parametrize("closed", ["turn", "session"])
