@@ -12,7 +12,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from agentserve.orchestrator.ingress import ClientGone, Ingress
 from agentserve.orchestrator.limits import ClientRules
@@ -45,6 +47,28 @@ from agentserve.protocol.stats import (
     Snapshot,
     encode_snapshot,
 )
+
+
+def recording_sends(client: Any, sent: list[str]) -> Callable[..., None]:
+    """A stand-in for a sync client's ``_send`` that notes each message's type in ``sent``, then sends it."""
+    real = client._send
+
+    def send(msg: Any, expect_reply: bool = True) -> None:
+        sent.append(type(msg).__name__)
+        real(msg, expect_reply)
+
+    return send
+
+
+def recording_sends_async(client: Any, sent: list[str]) -> Callable[..., Awaitable[None]]:
+    """The same for an asyncio client's ``_send``."""
+    real = client._send
+
+    async def send(msg: Any, expect_reply: bool = True) -> None:
+        sent.append(type(msg).__name__)
+        await real(msg, expect_reply)
+
+    return send
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from agent_fake_server import EchoServer
+from agent_fake_server import EchoServer, recording_sends_async
 
 from agentserve.client import (
     AsyncAgentClient,
@@ -117,11 +117,7 @@ def test_a_session_of_a_dropped_connection_closes_without_waiting_for_the_server
 
     async def main():
         async with AsyncAgentClient(endpoint, timeout=20) as client:
-            real_send = client._send
-
-            async def recording(msg, expect_reply=True):
-                sent.append(type(msg).__name__)
-                await real_send(msg, expect_reply)
+            recording = recording_sends_async(client, sent)
 
             async with await client.session() as s:
                 async for _ in s.turn("w" * 500):
@@ -140,11 +136,7 @@ def test_after_server_shutdown_a_session_closes_at_once_and_new_requests_are_ref
 
     async def main():
         async with AsyncAgentClient(endpoint, timeout=20) as client:
-            real_send = client._send
-
-            async def recording(msg, expect_reply=True):
-                sent.append(type(msg).__name__)
-                await real_send(msg, expect_reply)
+            recording = recording_sends_async(client, sent)
 
             with pytest.raises(ServerShutdown):
                 async with await client.session() as s:
@@ -176,11 +168,7 @@ def test_closing_after_a_drop_sends_nothing_and_ends_the_turn(endpoint, closed):
                 if client._link.epoch:
                     break
                 await asyncio.sleep(0.01)
-            real_send = client._send
-
-            async def recording(msg, expect_reply=True):
-                sent.append(type(msg).__name__)
-                await real_send(msg, expect_reply)
+            recording = recording_sends_async(client, sent)
 
             client._send = recording
             await (stream if closed == "turn" else s).close()

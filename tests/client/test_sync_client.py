@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from agent_fake_server import EchoServer
+from agent_fake_server import EchoServer, recording_sends
 
 from agentserve.client import (
     AgentClient,
@@ -177,11 +177,7 @@ def test_a_session_of_a_dropped_connection_closes_without_waiting_for_the_server
     srv = EchoServer(endpoint, token_delay_s=0.02).__enter__()
     with AgentClient(endpoint, timeout=20) as client:
         sent = []
-        real_send = client._send
-
-        def recording(msg, expect_reply=True):
-            sent.append(type(msg).__name__)
-            real_send(msg, expect_reply)
+        recording = recording_sends(client, sent)
 
         with pytest.raises(ServerDisconnected), client.session() as s:
             it = iter(s.turn("w" * 500))
@@ -201,11 +197,7 @@ def test_after_server_shutdown_a_session_closes_at_once_and_new_requests_are_ref
     and a new request is refused at once instead of timing out."""
     with EchoServer(endpoint, token_delay_s=0.02) as srv, AgentClient(endpoint, timeout=20) as client:
         sent = []
-        real_send = client._send
-
-        def recording(msg, expect_reply=True):
-            sent.append(type(msg).__name__)
-            real_send(msg, expect_reply)
+        recording = recording_sends(client, sent)
 
         t0 = time.monotonic()
         with pytest.raises(ServerShutdown), client.session() as s:
@@ -238,11 +230,7 @@ def test_closing_after_a_drop_sends_nothing_and_ends_the_turn(endpoint, monkeypa
             client._drain_monitor()
             time.sleep(0.01)
         sent = []
-        real_send = client._send
-
-        def recording(msg, expect_reply=True):
-            sent.append(type(msg).__name__)
-            real_send(msg, expect_reply)
+        recording = recording_sends(client, sent)
 
         monkeypatch.setattr(client, "_send", recording)
         (stream if closed == "turn" else s).close()
