@@ -67,6 +67,7 @@ class BoardSource:
             raise TopError(f"--run: {e}") from None
         self.run = run
         self._seen = (-1, time.monotonic())  # the board's sequence, and when it last moved
+        self._first = True  # no read yet: see _check_fresh
 
     def read(self) -> Snapshot:
         if not self._board.writer_alive():
@@ -76,9 +77,21 @@ class BoardSource:
         if not data:
             raise TopError(f"run {self.run!r} has not published stats yet")
         try:
-            return decode_snapshot(data)
+            snap = decode_snapshot(data)
         except SnapshotError as e:
             raise TopError(str(e)) from None
+        self._check_fresh(snap)
+        return snap
+
+    def _check_fresh(self, snap: Snapshot) -> None:
+        """A first read has no earlier sequence to compare with (``--once``): the snapshot's own time tells a board
+        left by a server that stopped publishing ``BOARD_STALL_S`` ago or more."""
+        if not self._first:
+            return
+        self._first = False
+        age = time.time() - snap.t_wall
+        if age > BOARD_STALL_S:
+            raise self._stalled(age)
 
     def _check_moving(self) -> None:
         """A SIGSTOPped server keeps its pid and its board: without this its last snapshot showed as live for ever."""
@@ -86,8 +99,10 @@ class BoardSource:
         if seq != self._seen[0]:
             self._seen = (seq, now)
         elif now - self._seen[1] > BOARD_STALL_S:
-            raise TopError(f"the server of run {self.run!r} has published no stats for {now - self._seen[1]:.0f} s: "
-                           "stopped or hung")
+            raise self._stalled(now - self._seen[1])
+
+    def _stalled(self, seconds: float) -> TopError:
+        return TopError(f"the server of run {self.run!r} has published no stats for {seconds:.0f} s: stopped or hung")
 
     def close(self) -> None:
         self._board.close()

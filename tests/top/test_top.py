@@ -122,7 +122,7 @@ def test_snapshot_json_has_every_field_and_round_trips():
 def board():
     run = f"toptest{os.getpid()}"
     b = StatsBoard.create(run, 64 * 1024, SNAPSHOT_VERSION)
-    b.publish(encode_snapshot(realistic()))
+    b.publish(encode_snapshot(fresh(realistic())))
     yield run
     b.close()
 
@@ -130,7 +130,8 @@ def board():
 def test_once_json_from_the_stats_board(board):
     res = CliRunner().invoke(top, ["--run", board, "--once", "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output) == to_json_obj(realistic())
+    out = json.loads(res.output)
+    assert out == to_json_obj(replace(realistic(), t_wall=out["t_wall"])) and abs(out["t_wall"] - time.time()) < 60
 
 
 def test_once_dashboard_from_the_stats_board(board):
@@ -144,18 +145,35 @@ def test_a_board_that_stops_moving_is_a_clear_error_not_a_frozen_dashboard(monke
     monkeypatch.setattr(cli_top, "BOARD_STALL_S", 0.2, raising=False)
     run = f"topstall{os.getpid()}"
     with StatsBoard.create(run, 64 * 1024, SNAPSHOT_VERSION) as b:
-        b.publish(encode_snapshot(realistic()))
+        b.publish(encode_snapshot(fresh(realistic())))
         source = BoardSource(run)
         try:
             source.read()
             time.sleep(0.5)
-            b.publish(encode_snapshot(realistic()))  # it moved since: still live, however long ago the last read
+            b.publish(encode_snapshot(fresh(realistic())))  # it moved since: still live, however long ago the last read
             source.read()
             time.sleep(0.5)
             with pytest.raises(TopError, match=f"run '{run}' has published no stats for .* stopped or hung"):
                 source.read()
         finally:
             source.close()
+
+
+def test_once_on_a_board_left_unchanged_for_long_is_a_clear_error_not_its_last_snapshot(monkeypatch):
+    """``--once`` reads once, so the board's sequence cannot show a stopped server: the snapshot's own time does."""
+    monkeypatch.setattr(cli_top, "BOARD_STALL_S", 5.0, raising=False)
+    run = f"topstale{os.getpid()}"
+    with StatsBoard.create(run, 64 * 1024, SNAPSHOT_VERSION) as b:
+        b.publish(encode_snapshot(replace(realistic(), t_wall=time.time() - 6)))
+        res = CliRunner().invoke(top, ["--run", run, "--once", "--json"])
+        assert res.exit_code == 2 and "has published no stats for 6 s: stopped or hung" in res.output, res.output
+        b.publish(encode_snapshot(replace(realistic(), t_wall=time.time() - 4)))
+        assert CliRunner().invoke(top, ["--run", run, "--once", "--json"]).exit_code == 0
+
+
+def fresh(snap: Snapshot) -> Snapshot:
+    """``snap`` as just published (a board's first read refuses a snapshot older than ``BOARD_STALL_S``)."""
+    return replace(snap, t_wall=time.time())
 
 
 def test_once_json_from_an_endpoint(tmp_path):
