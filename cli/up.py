@@ -178,14 +178,13 @@ def _up(opts: dict[str, Any]) -> int:
             publisher.info.http = gateway.url
         gc.collect()
         gc.freeze()  # start-up objects never need scanning again: fewer long GC pauses in the loop
-        click.echo(
+        _say_ready(
             f"AgentServe ready on {ingress.endpoint} · model {model_dir} · policy {policy} · "
             f"{ready.backend} ({len(ready.ladder)} rungs) · {ready.device} · "
             f"KV {ready.num_blocks * ready.block_size} tokens · "
             f"loaded in {time.monotonic() - t0:.1f} s · run {run}"
             + (f" · HTTP {gateway.url}" if gateway is not None else "")
         )
-        sys.stdout.flush()
         try:
             server.serve()
         except ExecutorDownError as e:
@@ -211,6 +210,18 @@ def _up(opts: dict[str, Any]) -> int:
         ignore_signals()  # done: a signal from here to the exit changes nothing
         if stopped:  # said once the clean-up is done: a forced one exits before this
             log.info("shut down cleanly")
+
+
+def _say_ready(line: str) -> None:
+    """The ready line, on stdout for the scripts that wait for it.  A stdout nobody can write to any more (a pipe
+    whose reader is gone, a full disk) does not stop a server that has loaded: the line goes to the log instead, and
+    stdout to /dev/null (nothing else is written there)."""
+    try:
+        click.echo(line)
+        sys.stdout.flush()
+    except OSError as e:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        log.warning("stdout cannot be written (%s); serving all the same: %s", e, line)
 
 
 def _warn_if_clamped(asked: Any, serving: int) -> None:

@@ -218,6 +218,35 @@ def test_under_nohup_a_hangup_is_ignored() -> None:
     assert "received SIGHUP" not in err and "received SIGTERM; stopping" in err, err
 
 
+def test_a_stdout_nobody_reads_does_not_stop_the_server(tmp_path) -> None:
+    """``agentserve up | head -1``, or stdout on a full disk: writing the ready line failed after the model had
+    loaded and the server exited 1 (a closed pipe: without a word).  It serves, with the line in its log."""
+    from agentserve.client import AgentClient
+
+    sock = tmp_path / "up.sock"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will ever read its stdout
+    proc = subprocess.Popen(["agentserve", "up", "--model", "tiny", "--run", f"p{uuid.uuid4().hex[:6]}",
+                             "--endpoint", f"ipc://{sock}"], stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while time.monotonic() < deadline and "AgentServe ready" not in line:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, proc.returncode
+        assert "stdout cannot be written" in line, line
+        with AgentClient(f"ipc://{sock}") as client, client.session() as s:
+            assert s.turn(token_ids=[5, 6], max_tokens=3, ignore_eos=True).collect().usage.completion_tokens == 3
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "shut down cleanly" in err, (proc.returncode, err)
+
+
 def test_with_log_json_every_line_on_stderr_is_json() -> None:
     """The "loading the model … N s" progress was a plain line among the JSON records."""
     import json
