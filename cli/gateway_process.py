@@ -13,12 +13,15 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 from agentserve.protocol.endpoints import EndpointError, check_bind
 
 log = logging.getLogger("agentserve.up.gateway")
 
+FIRST_PAUSE_S = 0.5
 MAX_PAUSE_S = 10.0
+HEALTHY_S = 60.0  # a gateway that ran this long before it exited starts again after the first pause
 
 
 def parse_http(address: str, allow_remote: bool) -> tuple[str, int]:
@@ -71,13 +74,18 @@ class GatewayProcess:
                                              start_new_session=True)
 
     def _watch(self) -> None:
-        pause = 0.5
+        """Restart the gateway whenever it exits on its own: after a pause that doubles while it keeps failing
+        (up to ``MAX_PAUSE_S``) and starts again from ``FIRST_PAUSE_S`` once it had run ``HEALTHY_S``."""
+        pause = FIRST_PAUSE_S
         while not self._stopping.is_set():
             proc = self.proc
             assert proc is not None
+            started = time.monotonic()
             code = proc.wait()
             if self._stopping.is_set():
                 return
+            if time.monotonic() - started >= HEALTHY_S:
+                pause = FIRST_PAUSE_S
             log.error("the HTTP gateway exited with code %s; restarting it in %.1f s", code, pause)
             if self._stopping.wait(pause):
                 return
