@@ -19,6 +19,7 @@ from agentserve.executor.linear import (
     DenseLinear,
     HybridLinear,
     Linear,
+    bf16_rows,
     choose_format,
     gated_mlp,
     input_dtype,
@@ -188,5 +189,8 @@ class DecoderModel:
         return layer.o(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""
-        return self.lm_head(hidden).float()
+        """fp32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``: no row in bf16, whatever forward of this
+        thread is under way (a preempting step's logits come inside the step it preempts, whose rows are not
+        these)."""
+        with bf16_rows(None):
+            return self.lm_head(hidden).float()

@@ -29,6 +29,7 @@ from engine_helpers import (
 from agentserve.executor import linear as linear_module
 from agentserve.executor import runner as runner_module
 from agentserve.executor.errors import EngineError
+from agentserve.executor.layer_hook import layer_callback
 from agentserve.executor.layers import silu_mul
 from agentserve.executor.linear import (
     ALL_ROWS,
@@ -362,6 +363,33 @@ def test_a_hybrid_sequence_computes_the_same_whatever_it_is_batched_with(bf16_ch
     mixed = runner.prefill([PrefillChunk([b[5]], 5, list(range(16, 24))), PrefillChunk(a, 0, list(range(8)))],
                            all_logits=True)[1]
     assert torch.equal(alone, pair) and torch.equal(alone, mixed)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("outer", ["chunk", "chunk beside a one-token row"])
+def test_a_prefill_run_inside_another_at_a_layer_boundary_computes_as_alone(bf16_checkpoints, outer):
+    """A preempting step runs inside the lane's running step, at a layer boundary (``LaneWorker.run_preempting``):
+    its logits took the running step's bf16 rows — another batch's — an IndexError beside a one-token row, the bf16
+    product of its head otherwise.  Both steps now compute bitwise as each does alone."""
+    path, _ = bf16_checkpoints["qwen2_tied_bias"]
+    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=64, weights="hybrid")
+    a, b, c = random_prompts([23, 40, 9], seed=12)
+    runner.prefill([PrefillChunk(b[:5], 0, list(range(16, 24)))])
+    steps = [PrefillChunk(a, 0, list(range(8)))]
+    if outer != "chunk":
+        steps.insert(0, PrefillChunk([b[5]], 5, list(range(16, 24))))
+    inner = [PrefillChunk(c, 0, list(range(40, 48))), PrefillChunk(b[:7], 0, list(range(48, 56)))]
+    inner_alone, outer_alone = runner.prefill(inner), runner.prefill(steps)
+    nested: list[torch.Tensor] = []
+
+    def preempt() -> None:
+        if not nested:
+            with layer_callback(None):  # one level, as a lane runs it
+                nested.append(runner.prefill(inner))
+
+    with layer_callback(preempt):
+        outer_nested = runner.prefill(steps)
+    assert torch.equal(nested[0], inner_alone) and torch.equal(outer_nested, outer_alone)
 
 
 def test_auto_keeps_fp32_checkpoints_and_bf16_runners_dense(cases, bf16_checkpoints):
