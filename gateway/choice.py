@@ -108,10 +108,12 @@ class ChoiceRun:
 
     @property
     def finish_reason(self) -> str:
+        """``length`` when max_tokens cut the reply; ``tool_calls`` when it ended with its calls complete; else
+        ``stop`` (a stop string or the end of text, even inside a call: its arguments are then as far as written)."""
         finish = self.done.finish if self.done else FinishReason.ABORT
         if finish == FinishReason.LENGTH:
             return "length"
-        return "tool_calls" if self.streamer.calls else "stop"
+        return "tool_calls" if self.streamer.calls and not self.streamer.unfinished else "stop"
 
     def reply(self) -> Canonical:
         """The assistant message as a client sends it back next turn."""

@@ -51,6 +51,7 @@ class ReplyStreamer:
     format: ToolCallFormat | None  # None: no tools, every character is content
     max_calls: int | None = None  # None: any number
     dropped: bool = False  # a call past max_calls was left out
+    unfinished: bool = False  # at the end: a call that had started is not a complete, valid call (the reply was cut)
     text: str = ""
     content: str = ""  # content sent so far
     calls: list[CallOut] = field(default_factory=list)
@@ -69,6 +70,7 @@ class ReplyStreamer:
         scan = self.format.scan(self.text, final=True)
         if not self.calls and not any(c.call is not None for c in scan.calls):
             return self._content(self.text)  # no tool call after all: the whole reply is content
+        self.unfinished = any(c.call is None for c in scan.calls[:len(self.calls)])  # they started in order
         return self._apply(scan.calls, scan.content, final=True)
 
     def _content(self, safe: str) -> list[Delta]:

@@ -59,6 +59,24 @@ def test_forced_tool_calls_parse_and_validate(openai_client, choice, seed) -> No
         assert calls[0][0] == "calc"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_inside_a_forced_call_ends_it_as_stop_not_tool_calls(openai_client, stream) -> None:
+    """The call is cut where the stop string begins, its arguments no JSON: ``tool_calls`` told clients to run it
+    (langchain filed it as an invalid call).  ``op`` is forced to ``add`` or ``mul``: stopping at both cuts it."""
+    kwargs = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 200, "seed": 3, "stop": ['"add', '"mul'],
+              "tool_choice": {"type": "function", "function": {"name": "calc"}}}
+    if stream:
+        chunks = list(openai_client.chat.completions.create(stream=True, **kwargs))
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+        arguments = "".join(d.function.arguments or "" for c in chunks for d in c.choices[0].delta.tool_calls or [])
+    else:
+        choice = openai_client.chat.completions.create(**kwargs).choices[0]
+        finishes, arguments = [choice.finish_reason], choice.message.tool_calls[0].function.arguments
+    assert finishes == ["stop"] and '"op"' in arguments, (finishes, arguments)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments)
+
+
 def test_streamed_tool_calls_arrive_as_deltas_by_index_and_match_the_whole_answer(openai_client) -> None:
     kwargs = {"model": "tiny", "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 300,
               "temperature": 1.0, "seed": 21}

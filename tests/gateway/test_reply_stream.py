@@ -113,6 +113,22 @@ def test_cut_call_and_invalid_blocks() -> None:
     assert calls == [] and content == broken, "no valid call: the whole reply is content"
 
 
+TWO_CALLS = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+
+
+@pytest.mark.parametrize("reply, unfinished", [
+    ('<tool_call>\n{"name": "w", "arguments": {"city": "', True),  # a stop string or eos inside the call
+    ('<tool_call>\n{"name": "w", "arguments": {"city": "Rome"}}\n</tool_call>', False),
+    (TWO_CALLS + '{"name": "b", "arguments": {"x": 1', True),
+    (TWO_CALLS + '{"name": "b", "argu', False),  # b never started (its name not followed by arguments): left out
+    ("no call", False),
+])
+def test_a_reply_that_ends_inside_a_started_call_says_so(reply: str, unfinished: bool) -> None:
+    streamer = ReplyStreamer(HermesFormat())
+    run(streamer, [reply[:30], reply[30:]])
+    assert streamer.unfinished is unfinished
+
+
 def test_no_tools_means_plain_text() -> None:
     text = '<tool_call>{"name": "a", "arguments": {}}</tool_call>'
     content, calls, _ = run(ReplyStreamer(None), list(text))
