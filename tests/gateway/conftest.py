@@ -40,9 +40,13 @@ class HttpServer:
         env = {**os.environ, "AGENTSERVE_API_KEY": api_key}
         self.log = open(tmp / "up.log", "w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
-        line = self.proc.stdout.readline()
-        assert "ready on" in line and self.url in line, f"server did not start: {line!r}\n{self.logs()}"
-        self.wait_healthy()
+        try:
+            line = self.proc.stdout.readline()
+            assert "ready on" in line and self.url in line, f"server did not start: {line!r}\n{self.logs()}"
+            self.wait_healthy()
+        except BaseException:
+            self.stop()  # a server that never became healthy is not left running after the failed fixture
+            raise
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
