@@ -178,6 +178,7 @@ class AsyncSession(SessionBase):
     def __init__(self, client: AsyncAgentClient, opened: SessionOpened) -> None:
         super().__init__(client, opened)
         self._active: AsyncTurnStream | None = None
+        self._unsettled: AsyncTurnStream | None = None  # a turn given up here that may still run on the server
 
     def turn(
         self, messages: str | Iterable[MessageLike] | None = None, **options: Unpack[TurnOptions]
@@ -195,6 +196,8 @@ class AsyncSession(SessionBase):
             return
         if self._active is not None:
             await self._active.close()  # after a drop: ended at once, nothing sent
+        if self._unsettled is not None:
+            await self._unsettled._settle()
         if self._closed_with_connection():
             return
         await self.client._call(self._close_request(), SessionClosed)
@@ -221,6 +224,8 @@ class AsyncTurnStream(TurnCore):
         """Send the turn on first use: the previous one ends first, then the tool results queued now go with it."""
         if self._request is None:
             return
+        if self.session._unsettled is not None:  # given up, perhaps by a turn that never was sent: see its end
+            await self.session._unsettled._settle()
         if self._prev is not None:
             prev, self._prev = self._prev, None
             await prev.close()
@@ -241,13 +246,15 @@ class AsyncTurnStream(TurnCore):
                     wire_event = await client._recv(self.req, client.event_timeout)
                 except BaseException:  # a timeout, a lost server, Ctrl-C, a cancelled task: it may still run there
                     client._send_nowait(Abort(client._next_req(), self.session.id, self.req))
+                    self.given_up = True
+                    self.session._unsettled = self
                     raise
                 events = self.accept(wire_event)
             except BaseException:
                 self.finished = True
                 raise
             finally:
-                if self.finished:
+                if self.finished and not self.given_up:
                     client._forget(self.req)
             for event in events:
                 yield event
@@ -263,6 +270,9 @@ class AsyncTurnStream(TurnCore):
             await client._send(Abort(client._next_req(), self.session.id, self.req), expect_reply=False)
 
     async def close(self) -> None:
+        if self.given_up:
+            await self._settle()
+            return
         if self.finished or self._request is not None:
             return
         if self.session._closed_with_connection():  # the server ended the turn with the connection: nothing to abort
@@ -277,3 +287,17 @@ class AsyncTurnStream(TurnCore):
     def _end(self) -> None:
         self.finished = True
         self.session.client._forget(self.req)
+
+    async def _settle(self) -> None:
+        """As the sync client's: the server's end of a turn given up here, before the session's next turn."""
+        client = self.session.client
+        try:
+            if not self.session._closed_with_connection():
+                while not self.ends_turn(await client._recv(self.req, client.timeout)):
+                    pass
+        except AgentServeError:
+            pass
+        self.given_up = False  # not when cancelled: the session's next turn waits for it again
+        if self.session._unsettled is self:
+            self.session._unsettled = None
+        client._forget(self.req)

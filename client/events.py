@@ -119,7 +119,15 @@ class TurnCore:
         self.req = req
         self.result = TurnResult()
         self.finished = False
+        # Ended on the client side (Ctrl-C, a timeout, a cancelled task) with an abort sent, the turn may still run on
+        # the server, which refuses the session's next turn until it ends: its events stay routed till then.
+        self.given_up = False
         self._on_error = on_error  # the server ended the turn with an error (and kept nothing of it)
+
+    @staticmethod
+    def ends_turn(wire_event: Any) -> bool:
+        """Whether ``wire_event`` is the server's last event of a turn."""
+        return isinstance(wire_event, TurnDone | Error)
 
     def accept(self, wire_event: Any) -> list[TurnEvent]:
         try:

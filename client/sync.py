@@ -225,13 +225,14 @@ class TurnStream(TurnCore):
                     wire_event = client._recv(self.req, client.event_timeout)
                 except BaseException:  # a timeout, a lost server, Ctrl-C, a cancelled task: it may still run there
                     client._send_nowait(Abort(client._next_req(), self.session.id, self.req))
+                    self.given_up = True
                     raise
                 events = self.accept(wire_event)
             except BaseException:
                 self.finished = True
                 raise
             finally:
-                if self.finished:
+                if self.finished and not self.given_up:
                     client._forget(self.req)
             yield from events
 
@@ -248,7 +249,11 @@ class TurnStream(TurnCore):
 
     def close(self) -> None:
         """Abort if still running and drain the stream (errors while draining are dropped).  After its connection
-        dropped there is nothing to abort (the server ended the turn with it): it returns at once."""
+        dropped there is nothing to abort (the server ended the turn with it): it returns at once.  A stream given up
+        waits (up to ``timeout``) for the server to end the turn it aborted."""
+        if self.given_up:
+            self._settle()
+            return
         if self.finished:
             return
         self.session.client._drain_monitor()
@@ -264,6 +269,20 @@ class TurnStream(TurnCore):
     def _end(self) -> None:
         self.finished = True
         self.session.client._forget(self.req)
+
+    def _settle(self) -> None:
+        """The server's end of a turn given up here (its abort sent), so that the session's next turn is not refused
+        as still in progress; not after a drop (the server ended it with the connection), at most ``timeout``."""
+        client = self.session.client
+        try:
+            client._drain_monitor()
+            if not self.session._closed_with_connection():
+                while not self.ends_turn(client._recv(self.req, client.timeout)):
+                    pass
+        except AgentServeError:
+            pass  # it did not end in time, or the connection dropped meanwhile: the next turn finds out
+        self.given_up = False  # not when interrupted (Ctrl-C): the session's next turn waits for it again
+        client._forget(self.req)
 
     def __enter__(self) -> TurnStream:
         return self

@@ -98,15 +98,20 @@ class Gen:
     t0: float = field(default_factory=time.monotonic)
     out: list[int] = field(default_factory=list)
     t_first: float = 0.0
+    aborting: bool = False  # with lazy_abort: ends at the next step
 
 
 class EchoServer:
-    def __init__(self, endpoint: str, *, max_model_len: int = 4096, token_delay_s: float = 0.0) -> None:
+    def __init__(self, endpoint: str, *, max_model_len: int = 4096, token_delay_s: float = 0.0,
+                 lazy_abort: bool = False) -> None:
+        """``lazy_abort``: an abort ends its turn at the next step, as the real server's does with a step in flight
+        (a message read in the same poll still finds the turn running)."""
         info = Welcome(0, PROTOCOL_VERSION, "fake", "echo", max_model_len, "fake-run", os.getpid())
         self.ingress = Ingress(endpoint, info=info, rules=ClientRules(probe_interval_s=0.05, heartbeat_ms=200))
         self.endpoint = self.ingress.endpoint
         self.max_model_len = max_model_len
         self.token_delay_s = token_delay_s
+        self.lazy_abort = lazy_abort
         self.table: SessionTable[Entry] = SessionTable()
         self.context: dict[int, int] = {}
         self.gens: dict[int, Gen] = {}
@@ -180,7 +185,10 @@ class EchoServer:
             self.table.owned(cid, msg.session, msg.req)  # ownership check
             gen = self.gens.get(msg.session)
             if gen is not None and msg.turn in (0, gen.req):
-                self._finish(self.gens.pop(msg.session), FinishReason.ABORT)
+                if self.lazy_abort:
+                    gen.aborting = True
+                else:
+                    self._finish(self.gens.pop(msg.session), FinishReason.ABORT)
         elif isinstance(msg, CloseSession):
             entry = self.table.owned(cid, msg.session, msg.req)
             self.table.drop(entry)
@@ -222,6 +230,9 @@ class EchoServer:
     def _step(self) -> None:
         for sid, gen in list(self.gens.items()):
             n = len(gen.out)
+            if gen.aborting:
+                self._finish(self.gens.pop(sid), FinishReason.ABORT)
+                continue
             if n >= len(gen.plan) and not gen.cycle:
                 reason = FinishReason.TOOL_CALLS if gen.tool_call else FinishReason.STOP
                 self._finish(self.gens.pop(sid), reason)

@@ -151,6 +151,29 @@ def test_after_server_shutdown_a_session_closes_at_once_and_new_requests_are_ref
         run(main())  # within run's 30 s only if neither waited out the 20 s timeout
 
 
+def test_a_turn_given_up_on_the_client_lets_the_sessions_next_turn_start(endpoint):
+    """As in the sync client, for a timeout and for a cancelled task: the next turn waits for the aborted one's end
+    on the server instead of being refused as still in progress."""
+
+    async def main():
+        async with AsyncAgentClient(endpoint, event_timeout=0.05) as client, await client.session() as s:
+            with pytest.raises(ServerUnavailable):
+                await s.turn("w" * 50).collect()
+            assert srv.gens
+            client.event_timeout = 10
+            task = asyncio.create_task(s.turn("w" * 50).collect())
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert srv.gens
+            assert (await s.turn("ok").collect()).text == "ok"
+            assert not client._queues
+
+    with EchoServer(endpoint, token_delay_s=0.2, lazy_abort=True) as srv:
+        run(main())
+
+
 @pytest.mark.parametrize("closed", ["turn", "session"])
 def test_closing_after_a_drop_sends_nothing_and_ends_the_turn(endpoint, closed):
     """As in the sync client: once the drop is known, ``close`` of the turn sends no abort to the dead server, and

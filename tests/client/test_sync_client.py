@@ -238,6 +238,20 @@ def test_closing_after_a_drop_sends_nothing_and_ends_the_turn(endpoint, monkeypa
         assert stream.req not in client._inbox and stream.req not in client._sent_epoch
 
 
+def test_a_turn_given_up_on_the_client_lets_the_sessions_next_turn_start(endpoint):
+    """A stream given up here (a timeout, Ctrl-C) sends an abort; the turn runs on the server until that is done, and
+    a next turn sent at once was refused as still in progress (6 times in 10): it now waits for the turn's end."""
+    with EchoServer(endpoint, token_delay_s=0.2, lazy_abort=True) as srv, \
+            AgentClient(endpoint, event_timeout=0.05) as client, client.session() as s:
+        for _ in range(3):
+            with pytest.raises(ServerUnavailable):
+                s.turn("w" * 50).collect()
+            assert srv.gens  # still running there when the next turn is sent
+        client.event_timeout = 10
+        assert s.turn("ok").collect().text == "ok"
+    assert not client._inbox  # every given-up turn's events unrouted once it ended
+
+
 def test_client_disconnect_aborts_its_turns_on_the_server(slow_server):
     client = AgentClient(slow_server.endpoint)
     s = client.session()
