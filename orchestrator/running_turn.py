@@ -79,8 +79,11 @@ class RunningTurn:
                 event.top_logprobs = [TopLogprobs(list(top_ids), list(top_logprobs or ()))]
         return event
 
-    def finish(self, reason: Finish, t: float, cached_tokens: int) -> list[TokenEvent | ToolCallEvent | TurnDone]:
-        """The closing events: held-back text, tool calls, then exactly one TurnDone."""
+    def finish(
+        self, reason: Finish, t: float, cached_tokens: int, served_t: float | None = None
+    ) -> list[TokenEvent | ToolCallEvent | TurnDone]:
+        """The closing events: held-back text, tool calls, then exactly one TurnDone (``served_t``: when the turn
+        was first in a step, its queueing's end; None: never)."""
         events: list[TokenEvent | ToolCallEvent | TurnDone] = []
         tail = "" if self.stopped_by_string else self._detok.flush()
         if self._stops is not None and not self.stopped_by_string:
@@ -100,7 +103,8 @@ class RunningTurn:
             if calls and finish != FinishReason.LENGTH:  # max_tokens may have cut a call short: say so
                 finish = FinishReason.TOOL_CALLS
         events.append(
-            TurnDone(self.req, self.session, finish, self.usage(cached_tokens), self.timings(t), t, time.time())
+            TurnDone(self.req, self.session, finish, self.usage(cached_tokens), self.timings(t, served_t), t,
+                     time.time())
         )
         return events
 
@@ -131,9 +135,10 @@ class RunningTurn:
     def usage(self, cached_tokens: int) -> Usage:
         return Usage(self.prompt_tokens, cached_tokens, len(self.token_ids))
 
-    def timings(self, t_done: float) -> Timings:
+    def timings(self, t_done: float, served_t: float | None = None) -> Timings:
         n = len(self.token_ids)
         ttft = (self.first_token_t - self.arrival) * 1e3 if n else 0.0
         e2e = (t_done - self.arrival) * 1e3
         tpot = (e2e - ttft) / (n - 1) if n > 1 else 0.0
-        return Timings(queue_ms=0.0, ttft_ms=ttft, tpot_ms=tpot, e2e_ms=e2e)
+        queue = max(0.0, (served_t - self.arrival) * 1e3) if served_t is not None else 0.0
+        return Timings(queue_ms=queue, ttft_ms=ttft, tpot_ms=tpot, e2e_ms=e2e)

@@ -270,8 +270,8 @@ class Server:
     def _finish_turn(self, rec: SessionRecord, finish: Finish, t: float) -> None:
         turn = rec.turn
         assert turn is not None
-        cached = self.sched.cached_tokens(turn.seq_id)
-        for event in turn.finish(finish, t, cached):
+        cached, served_t = self.sched.cached_tokens(turn.seq_id), self.sched.first_served(turn.seq_id)
+        for event in turn.finish(finish, t, cached, served_t):
             self.ingress.send(rec.client, event)
         exact = not turn.stopped_by_string
         conv = rec.conversation

@@ -335,8 +335,16 @@ class Scheduler:
 
     def cached_tokens(self, seq_id: int) -> int:
         """Prompt tokens of a turn served from the KV cache (0 once the turn is forgotten)."""
-        req = self.requests.get(seq_id) or self.ended.get(seq_id)
+        req = self._turn(seq_id)
         return req.num_cached if req is not None else 0
+
+    def first_served(self, seq_id: int) -> float | None:
+        """When a turn was first in a step (the end of its queueing); None if never, or once it is forgotten."""
+        req = self._turn(seq_id)
+        return req.first_service_t if req is not None else None
+
+    def _turn(self, seq_id: int) -> Request | None:
+        return self.requests.get(seq_id) or self.ended.get(seq_id)
 
     def idle(self) -> bool:
         return not self.requests and self.idle_lanes()
