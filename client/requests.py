@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any, TypedDict
@@ -37,6 +39,8 @@ class TurnOptions(TypedDict, total=False):
 
 
 def to_message(m: MessageLike) -> Message:
+    """A :class:`Message` from itself or from an OpenAI-shaped dict (an assistant's ``tool_calls`` included, their
+    ``arguments`` as an object: a JSON object's text is parsed, as chat templates render objects)."""
     if isinstance(m, Message):
         return m
     return Message(
@@ -44,7 +48,18 @@ def to_message(m: MessageLike) -> Message:
         content=str(m.get("content") or ""),
         tool_call_id=str(m.get("tool_call_id", "")),
         name=str(m.get("name", "")),
+        tool_calls=[_tool_call(c) for c in m.get("tool_calls") or ()],
     )
+
+
+def _tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    args = function.get("arguments")
+    if isinstance(args, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            parsed = json.loads(args) if args.strip() else {}
+            function["arguments"] = parsed if isinstance(parsed, dict) else args
+    return {**call, "function": function}
 
 
 def open_request(
@@ -68,7 +83,7 @@ class SessionState:
         self.closed = False
 
     def tool_result(self, call_id: str, content: Any, name: str = "") -> None:
-        text = content if isinstance(content, str) else repr(content)
+        text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False, default=str)
         self.pending.append(Message(role="tool", content=text, tool_call_id=call_id, name=name))
 
     def new_turn(

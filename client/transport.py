@@ -225,7 +225,8 @@ class SessionBase:
         return self._state.closed
 
     def tool_result(self, call_id: str, content: Any, name: str = "") -> None:
-        """Queue a tool's output; it is sent as a ``tool`` message with the next turn."""
+        """Queue a tool's output; it is sent as a ``tool`` message with the next turn (``content`` that is not a str
+        as JSON)."""
         self._state.tool_result(call_id, content, name)
 
     def _close_request(self) -> CloseSession:

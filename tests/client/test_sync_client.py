@@ -69,6 +69,23 @@ def test_tool_call_then_tool_result_goes_out_with_the_next_turn(server):
     assert second.usage.cached_tokens > first.usage.cached_tokens  # the context grew on the server
 
 
+def test_openai_shaped_messages_keep_their_tool_calls_and_results_go_as_json(server):
+    """A dict message's ``tool_calls`` were dropped (and a null content sent as ""), so an OpenAI-style history
+    rendered without its calls; a non-str tool result went as Python's repr (``{'t': 20}``), which is no JSON."""
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                   "name": "get", "arguments": '{"city": "Rome"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    with AgentClient(server.endpoint) as client, client.session() as s:
+        s.turn(history + [{"role": "user", "content": "ok"}]).collect()
+        s.tool_result("c2", {"t": 20, "ok": True, "place": "Zürich"})
+        s.turn("x").collect()
+    first, second = server.turn_requests[-2:]
+    assert first.messages[1].tool_calls == [{"id": "c1", "type": "function",
+                                             "function": {"name": "get", "arguments": {"city": "Rome"}}}]
+    assert second.messages[0].content == '{"t": 20, "ok": true, "place": "Zürich"}'
+
+
 def test_interleaved_sessions_on_one_client_get_their_own_events(server):
     with AgentClient(server.endpoint) as client:
         a, b = client.session(), client.session()
