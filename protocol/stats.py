@@ -73,7 +73,7 @@ class Queues(_S):
 class Kv(_S):
     used_blocks: int = 0
     total_blocks: int = 0
-    pinned_blocks: int = 0  # held for sessions that are in a tool
+    pinned_blocks: int = 0  # distinct blocks held for sessions between turns (a tool call, its grace)
     block_size: int = 0
     prefix_hit_rate: float = 0.0  # cached / prompt tokens over the window
 

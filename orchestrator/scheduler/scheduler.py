@@ -680,7 +680,7 @@ class Scheduler:
                 "used": pool.num_used(),
                 "cached": len(pool.cached),
                 "free": len(pool.free),
-                "held_by_sessions": sum(len(s.block_table) for s in self.held.values()),
+                "held_by_sessions": len({b for s in self.held.values() for b in s.block_table}),  # shared: once
                 "usage": pool.num_used() / pool.num_blocks,
                 "evictions": pool.evictions,
             },

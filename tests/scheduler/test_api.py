@@ -210,6 +210,20 @@ def test_pin_expires_then_blocks_are_only_cached():
     assert stats["kv"]["cached"] == 6, "full blocks stay findable by prefix hash"
 
 
+def test_blocks_two_pinned_sessions_share_count_once():
+    """Sessions with one system prompt share its blocks: the count summed their tables, so it passed the pool's size
+    (3 sessions, 46 of 64 blocks used: 114 pinned, in a QA run)."""
+    d = Driver()
+    shared = list(range(10, 74))  # 4 full blocks of 16
+    for tail in ([1, 2, 3], [4, 5, 6]):
+        sid = d.sched.open_session()
+        seq = d.sched.submit(sid, shared + tail, SamplingParams(max_tokens=3, ignore_eos=True), now=d.now)
+        d.until_finished(seq)
+        d.sched.end_turn(seq, in_tool_call=True, now=d.now)
+    kv = d.sched.stats()["kv"]
+    assert kv["held_by_sessions"] == kv["used"] == 4 + 2 * 1  # the shared blocks once, a last block each
+
+
 def test_turn_without_tool_call_and_close_release_at_once():
     d = Driver()
     sid = d.sched.open_session()
