@@ -15,7 +15,7 @@ import click
 
 from agentserve import configs
 from agentserve.cli.engine_options import engine_config, engine_flags
-from agentserve.cli.prompts import Prompt, load_prompts_file, parse_ids
+from agentserve.cli.prompts import Prompt, check_unicode, load_prompts_file, parse_ids
 from agentserve.configs.logging import LOG_LEVELS, setup_logging
 
 EXIT_BAD_INPUT = 2
@@ -54,6 +54,8 @@ def _runner_kwargs(engine: dict[str, Any], path: Any, prompts: list[list[int]], 
         "prefill_attention": engine["prefill_attention"],
         "max_model_len": context,
     }
+    if kwargs["block_size"] < 1:  # sizes the KV cache below: refused here, not divided by
+        raise ValueError(f"[engine] block_size must be >= 1, got {kwargs['block_size']}")
     if float(engine["kv_cache_memory_gb"]) > 0:
         kwargs["kv_cache_bytes"] = int(float(engine["kv_cache_memory_gb"]) * 2**30)
     else:
@@ -110,6 +112,8 @@ def _collect_prompts(text: tuple[str, ...], ids: str | None, file: str | None) -
         return [Prompt(ids=parse_ids(ids))]
     if file:
         return load_prompts_file(file)
+    for t in text:
+        check_unicode(t, "--prompt")
     return [Prompt(text=t) for t in text]
 
 

@@ -29,6 +29,15 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
+def check_unicode(value: Any, where: str) -> None:
+    """``ValueError`` naming ``where`` for text that is no Unicode a tokenizer takes: a lone surrogate (``"\\ud800"``
+    in JSON, undecodable bytes on a command line)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: not valid Unicode text ({e.reason})") from None
+
+
 def _is_id_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
@@ -41,6 +50,7 @@ def parse_line(obj: Any, where: str) -> Prompt:
     """One JSONL object → a :class:`Prompt`; ``ValueError`` naming ``where`` when it is malformed."""
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    check_unicode(obj, where)
     keys = [k for k in ("prompt", "prompt_ids", "messages") if k in obj]
     if len(keys) != 1:
         raise ValueError(f"{where}: needs exactly one of 'prompt', 'prompt_ids', 'messages'")

@@ -152,6 +152,7 @@ def test_bad_checkpoint_folders(tmp_path, tiny_dir, case):
         (["--prompt", "x", "--max-tokens", "ten"], "'ten' is not a valid integer"),
         (["--prompts-file", "/nonexistent.jsonl"], "prompts file not found"),
         (["--prompt", "x", "--config", "/nonexistent.toml"], "config file not found"),
+        (["--prompt", "ab\udcffcd"], "--prompt: not valid Unicode text"),  # undecodable bytes, as Python reads them
     ],
 )
 def test_bad_arguments(args, message):
@@ -172,12 +173,20 @@ def test_bad_arguments(args, message):
         ('{"messages": [{"content": "x"}]}\n', "'messages' must be a non-empty list"),
         ('{"messages": [{"role": "user", "content": "x"}], "tools": "no"}\n', "'tools' must be a list"),
         ("\n\n", "has no prompts"),
+        ('{"prompt": "\\ud800"}\n', "p.jsonl:1: not valid Unicode text"),  # a lone surrogate: a TypeError before
+        ('{"messages": [{"role": "user", "content": "\\udc00"}]}\n', "p.jsonl:1: not valid Unicode text"),
     ],
 )
 def test_bad_jsonl(tmp_path, content, message):
     f = tmp_path / "p.jsonl"
     f.write_text(content)
     assert_bad(run("--prompts-file", str(f)), message)
+
+
+def test_a_config_block_size_of_0_is_a_clean_error(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[engine]\nblock_size = 0\n")
+    assert_bad(run("--prompt", "x", "--config", str(config)), "block_size must be >= 1, got 0")  # ZeroDivisionError
 
 
 def test_bad_chat_conversation_is_a_clean_error(tmp_path):
