@@ -20,7 +20,7 @@ from typing import Any, Unpack
 import zmq
 import zmq.asyncio
 
-from agentserve.client.errors import AgentServeError, ProtocolViolation
+from agentserve.client.errors import AgentServeError, ProtocolViolation, ServerDisconnected
 from agentserve.client.events import TurnCore, TurnEvent, TurnResult
 from agentserve.client.requests import MessageLike, TurnOptions, open_request
 from agentserve.client.transport import ClientBase, SessionBase, connect
@@ -37,6 +37,7 @@ from agentserve.protocol.client_messages import (
 log = logging.getLogger("agentserve.client")
 
 _DROPPED = object()  # queued for a waiting request when the connection drops
+_STOPPED = object()  # queued for every waiting request when the reader task ends (cancelled: the loop shuts down)
 
 
 class AsyncAgentClient(ClientBase):
@@ -55,6 +56,7 @@ class AsyncAgentClient(ClientBase):
         self.name = name
         self._queues: dict[int, asyncio.Queue[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._reader_stopped = False
         self.server: Welcome | None = None
 
     async def connect(self) -> AsyncAgentClient:
@@ -74,6 +76,14 @@ class AsyncAgentClient(ClientBase):
     # ---- transport ---------------------------------------------------------------------------
 
     async def _read_events(self) -> None:
+        try:
+            await self._read_events_until_stopped()
+        finally:  # cancelled (asyncio.run ending on a Ctrl-C cancels every task) or closed: no answer comes now
+            self._reader_stopped = True
+            for queue in self._queues.values():
+                queue.put_nowait(_STOPPED)
+
+    async def _read_events_until_stopped(self) -> None:
         while True:
             payload = await self._sock.recv()
             try:
@@ -113,21 +123,30 @@ class AsyncAgentClient(ClientBase):
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # an error is retrieved, not logged
 
     async def _recv(self, req: int, timeout: float) -> Any:
+        queue = self._queues[req]
+        if self._reader_stopped and queue.empty():  # it stopped after this request was sent: nothing more comes
+            raise self._stopped(req)
         try:  # asyncio.timeout, not wait_for: on 3.11 a nested wait_for can swallow the caller's own cancellation
             async with asyncio.timeout(timeout):
-                event = await self._queues[req].get()
+                event = await queue.get()
         except TimeoutError:
             raise self._link.silent(timeout, req) from None
         if event is _DROPPED:
             self._link.check_epoch(self._sent_epoch[req], req)
+        if event is _STOPPED:
+            raise self._stopped(req)
         return event
+
+    def _stopped(self, req: int) -> ServerDisconnected:
+        return ServerDisconnected(f"request {req}: this client has stopped reading from {self.endpoint} (closed, or "
+                                  "its event loop is shutting down)", req=req)
 
     def _forget(self, req: int) -> list[Any]:
         """Stop routing events to ``req``; returns those that came for it unread."""
         self._sent_epoch.pop(req, None)
         queue = self._queues.pop(req, None)
         unread = [queue.get_nowait() for _ in range(queue.qsize())] if queue is not None else []
-        return [event for event in unread if event is not _DROPPED]
+        return [event for event in unread if event is not _DROPPED and event is not _STOPPED]
 
     async def _call(self, msg: Any, expect: type) -> Any:
         await self._send(msg)

@@ -174,6 +174,24 @@ def test_a_turn_given_up_on_the_client_lets_the_sessions_next_turn_start(endpoin
         run(main())
 
 
+def test_once_its_reader_is_cancelled_a_request_fails_at_once(server):
+    """``asyncio.run`` ending on a Ctrl-C cancels every task, the client's reader among them: a session's close in an
+    agent's ``finally`` then waited out ``timeout`` (10 s per agent) for an answer nobody would read."""
+
+    async def main():
+        async with AsyncAgentClient(server.endpoint, timeout=20) as client:
+            s = await client.session()
+            waiting = asyncio.create_task(client.stats())  # sent, its answer not read yet
+            await asyncio.sleep(0)
+            client._tasks[0].cancel()
+            with pytest.raises(ServerDisconnected, match="stopped reading"):
+                await waiting
+            with pytest.raises(ServerDisconnected, match="stopped reading"):
+                await s.close()
+
+    run(main())  # within run's 30 s only if neither waited out the 20 s timeout
+
+
 @pytest.mark.parametrize("closed", ["turn", "session"])
 def test_closing_after_a_drop_sends_nothing_and_ends_the_turn(endpoint, closed):
     """As in the sync client: once the drop is known, ``close`` of the turn sends no abort to the dead server, and
