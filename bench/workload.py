@@ -51,6 +51,10 @@ class ToolLatency:
     median_s: float = 1.0
     sigma: float = 0.5
 
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.median_s) and math.isfinite(self.sigma) and self.median_s >= 0 <= self.sigma):
+            raise ValueError(f"tool latency needs a finite median_s >= 0 and sigma >= 0, got {self}")
+
     def draw(self, rng: random.Random) -> float:
         if self.median_s <= 0:
             return 0.0
@@ -136,8 +140,17 @@ def _span(table: dict[str, Any]) -> Span:
 
 
 def spec_from_dict(d: dict[str, Any]) -> WorkloadSpec:
-    """Build a spec from a parsed workload TOML (the ``[workload]`` table or the whole file)."""
-    w = d.get("workload", d)
+    """Build a spec from a parsed workload TOML (the ``[workload]`` table or the whole file); ``ValueError`` for a
+    missing key or a value of the wrong type, naming it."""
+    try:
+        return _spec(d.get("workload", d))
+    except KeyError as e:
+        raise ValueError(f"the workload has no {e.args[0]!r}") from None
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"a workload value has the wrong type: {e}") from None
+
+
+def _spec(w: dict[str, Any]) -> WorkloadSpec:
     tl = w.get("tool_latency", {})
     return WorkloadSpec(
         name=str(w.get("name", "custom")),

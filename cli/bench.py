@@ -4,6 +4,7 @@ agent count or swept over several (``--agents 1,2,4``); ``--report DIR`` writes 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shlex
 import time
@@ -13,12 +14,14 @@ from typing import Any
 import click
 from rich.console import Console
 
+from agentserve import configs
 from agentserve.bench import machine as machine_info
 from agentserve.bench import report as reporting
 from agentserve.bench import runner, servers, sweep, sweep_report
 from agentserve.bench.metrics import SLO, RunRecord
 from agentserve.bench.progress import SweepProgress, duration_text
 from agentserve.bench.workload import WorkloadSpec, load_spec
+from agentserve.cli.interrupts import interrupt_on_sigterm
 
 context_per_agent = runner.context_per_agent
 
@@ -36,6 +39,25 @@ def system_names(policies: str) -> list[str]:
     if len(set(names)) != len(names):
         raise click.BadParameter("a system is listed twice", param_hint="--policies")
     return names
+
+
+def finite(low: float, low_open: bool = False) -> Any:
+    """A click callback: the value is a finite number >= ``low`` (> with ``low_open``); nan and inf are refused."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and (value > low if low_open else value >= low)):
+            raise click.BadParameter(f"must be a finite number {'>' if low_open else '>='} {low:g}, got {value}")
+        return value
+
+    return check
+
+
+def _check_writable_folder(path: str | None, flag: str) -> None:
+    if path is None:
+        return
+    folder = Path(path).resolve().parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise click.BadParameter(f"cannot write into {folder} (no such folder, or not writable)", param_hint=flag)
 
 
 def command_line(ctx: click.Context) -> str:
@@ -166,8 +188,9 @@ def _check_errors(out: dict[str, Any], runs: sweep.SweepRuns) -> None:
               help="comma-separated: AgentServe scheduler policies (agentserve, no-feedback, no-partition, "
                    "chunked, fcfs, llamacpp; each a fresh `agentserve up`) and/or llama-server (llama.cpp's "
                    "own server on the same weights as GGUF, see scripts/compare_llamacpp.sh)")
-@click.option("--duration", type=float, default=120.0, show_default=True, help="measured seconds per run")
-@click.option("--warmup", type=float, default=0.0, show_default=True,
+@click.option("--duration", type=float, default=120.0, show_default=True, callback=finite(0, low_open=True),
+              help="measured seconds per run")
+@click.option("--warmup", type=float, default=0.0, show_default=True, callback=finite(0),
               help="seconds run before the measured window (its requests are not counted)")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="run every system this many times per agent count, interleaved (A B, B A, ...), seed + i "
@@ -186,13 +209,15 @@ def _check_errors(out: dict[str, Any], runs: sweep.SweepRuns) -> None:
               show_default=True, help="/v1/completions (token ids), llama.cpp's native /completion, or "
                                       "/v1/chat/completions (text; what a router such as sglang-router takes)")
 @click.option("--target-model", default=None, help="the `model` field sent to --target")
-@click.option("--tool-latency-median", type=float, default=None, help="seconds (log-normal median)")
-@click.option("--tool-latency-sigma", type=float, default=None, help="log-normal sigma")
-@click.option("--steps", type=int, default=None, help="LLM turns per agent task")
+@click.option("--tool-latency-median", type=float, default=None, callback=finite(0),
+              help="seconds (log-normal median)")
+@click.option("--tool-latency-sigma", type=float, default=None, callback=finite(0), help="log-normal sigma")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="LLM turns per agent task")
 @click.option("--seed", type=int, default=None)
-@click.option("--ttft-slo-ms", type=click.FloatRange(min=0, min_open=True), default=2000.0, show_default=True)
-@click.option("--tpot-slo-ms", type=click.FloatRange(min=0, min_open=True), default=100.0, show_default=True)
-@click.option("--request-timeout", type=float, default=300.0, show_default=True, help="seconds per turn")
+@click.option("--ttft-slo-ms", type=float, default=2000.0, show_default=True, callback=finite(0, low_open=True))
+@click.option("--tpot-slo-ms", type=float, default=100.0, show_default=True, callback=finite(0, low_open=True))
+@click.option("--request-timeout", type=float, default=300.0, show_default=True, callback=finite(0, low_open=True),
+              help="seconds per turn")
 @click.option("--server-arg", "server_args", multiple=True, help="extra argument for `agentserve up`")
 @click.option("--keep-logs", type=click.Path(file_okay=False), default=None,
               help="keep each server's log in this folder, as WORKLOAD-SYSTEM-agentsN-seedS.log")
@@ -204,9 +229,11 @@ def bench(ctx: click.Context, workload: str, agents: str | None, policies: str, 
           seed: int | None, ttft_slo_ms: float, tpot_slo_ms: float, request_timeout: float,
           server_args: tuple[str, ...], keep_logs: str | None) -> None:
     """Run closed-loop agents against each system for --duration seconds and compare them."""
+    interrupt_on_sigterm()  # its servers and temporary folders are removed on a SIGTERM as on a Ctrl-C
     if report_dir:
         from agentserve.bench import paper
 
+        _check_writable_folder(report_out, "--report-out")
         try:
             out = paper.write_report(Path(report_dir), Path(report_out) if report_out else None)
         except ValueError as e:
@@ -219,8 +246,13 @@ def bench(ctx: click.Context, workload: str, agents: str | None, policies: str, 
         counts = sweep.parse_agent_counts(agents) if agents else None
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--agents") from None
-    spec = load_spec(workload, agents=counts[0] if counts else None, seed=seed, steps_per_task=steps,
-                     tool_latency_median_s=tool_latency_median, tool_latency_sigma=tool_latency_sigma)
+    try:
+        spec = load_spec(workload, agents=counts[0] if counts else None, seed=seed, steps_per_task=steps,
+                         tool_latency_median_s=tool_latency_median, tool_latency_sigma=tool_latency_sigma)
+    except (configs.ConfigError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="--workload") from None
+    for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
+        _check_writable_folder(path, flag)  # now, not after the runs
     counts = counts or [spec.agents]
     slo = SLO(ttft_slo_ms / 1000.0, tpot_slo_ms / 1000.0)
     systems = [runner.TARGET] if target else system_names(policies)

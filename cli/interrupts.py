@@ -15,8 +15,26 @@ def signal_exit_status(signum: int) -> int:
     return 128 + signum
 
 
-def exit_interrupted(command: str | None) -> NoReturn:
-    """The end of a command that a Ctrl-C (``KeyboardInterrupt``) interrupted."""
-    newline = "\n" if sys.stderr.isatty() else ""  # past the terminal's ^C
-    click.echo(f"{newline}agentserve{f' {command}' if command else ''}: interrupted", err=True)
-    sys.exit(signal_exit_status(signal.SIGINT))
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, raised where a Ctrl-C would be so that the same clean-up runs (:func:`interrupt_on_sigterm`)."""
+
+    signum = signal.SIGTERM
+
+
+def interrupt_on_sigterm() -> None:
+    """From now on in this (main) thread, SIGTERM interrupts as Ctrl-C does: ``finally`` blocks and context managers
+    run (servers stopped, temporary folders removed) instead of the process dying where it stands."""
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminate)
+
+
+def exit_interrupted(command: str | None, error: KeyboardInterrupt | None = None) -> NoReturn:
+    """The end of a command that a Ctrl-C (``KeyboardInterrupt``), or a SIGTERM it handles so, interrupted."""
+    signum = getattr(error, "signum", signal.SIGINT)
+    newline = "\n" if sys.stderr.isatty() and signum == signal.SIGINT else ""  # past the terminal's ^C
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    click.echo(f"{newline}agentserve{f' {command}' if command else ''}: {what}", err=True)
+    sys.exit(signal_exit_status(signum))

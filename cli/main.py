@@ -41,8 +41,8 @@ class LazyGroup(click.Group):
         own: for them a Ctrl-C is the way to stop)."""
         try:
             return super().invoke(ctx)
-        except KeyboardInterrupt:
-            exit_interrupted(ctx.invoked_subcommand)
+        except KeyboardInterrupt as e:
+            exit_interrupted(ctx.invoked_subcommand, e)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -165,6 +165,35 @@ def test_bad_policy_or_agent_list_is_refused_before_anything_runs():
     assert result.exit_code == 2 and "--agents" in result.output
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--duration", "nan"], "--duration"), (["--duration", "inf"], "--duration"), (["--duration", "0"], "--duration"),
+    (["--warmup", "-3"], "--warmup"), (["--request-timeout", "0"], "--request-timeout"),
+    (["--ttft-slo-ms", "nan"], "--ttft-slo-ms"), (["--tool-latency-sigma", "-1"], "--tool-latency-sigma"),
+    (["--steps", "0"], "--steps"), (["--workload", "nosuch"], "--workload"),
+    (["--json", "/nonexistent/dir/x.json"], "--json"), (["--plot", "/nonexistent/dir/x.png"], "--plot"),
+])
+def test_bad_values_are_a_usage_error_before_anything_runs(args, says, monkeypatch):
+    """nan and inf were tracebacks, 0 and negatives ran for nothing (or started a server first), a bad workload was
+    a traceback, and a --json / --plot into a missing folder failed after every run, losing its results."""
+    monkeypatch.setattr(runner, "launcher", lambda *a, **k: pytest.fail("a run started"))
+    result = CliRunner().invoke(bench, ["--target", "http://127.0.0.1:9", *args])
+    assert result.exit_code == 2 and says in result.output and result.exception.__class__ is SystemExit, \
+        result.output
+
+
+@pytest.mark.parametrize("toml, says", [
+    ("[workload]\nname = 'x'\n", "the workload has no 'steps_per_task'"),
+    ("[workload\n", "--workload"),
+    (Path(__file__).parents[2].joinpath("configs/workloads/react.toml").read_text().replace(
+        "steps_per_task = 8", 'steps_per_task = "two"'), "--workload"),
+])
+def test_a_bad_workload_file_is_a_usage_error(tmp_path, toml, says):
+    path = tmp_path / "w.toml"
+    path.write_text(toml)
+    result = CliRunner().invoke(bench, ["--target", "http://127.0.0.1:9", "--workload", str(path)])
+    assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output, result.output
+
+
 def test_each_point_launches_its_system_for_that_agent_count(monkeypatch):
     calls = []
     monkeypatch.setattr(servers, "llama_server", lambda *a, **k: calls.append(("llama", *a, k)))

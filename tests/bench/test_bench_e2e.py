@@ -48,3 +48,36 @@ def test_short_sweep_against_real_servers(tmp_path):
             assert figs["errors"] == 0 and figs["requests"] > 0
             assert figs["tpot_p95"] > 0 and figs["throughput_tok_s"] > 0 and 0 <= figs["slo_attainment"] <= 1
     assert png.is_file() and (tmp_path / "s-agents2.png").is_file()
+
+
+def test_a_sigterm_stops_bench_as_ctrl_c_does():
+    """A SIGTERM killed bench where it stood: its server was stopped (by the server's own watch of its parent) but
+    its work and socket folders stayed in /tmp, and it exited -15 without a word."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+    import time
+
+    tmp = Path(tempfile.mkdtemp(prefix="asb", dir="/tmp"))  # short: bench's ipc socket goes in it
+    exe = Path(sys.executable).with_name("agentserve")
+    cmd = [str(exe) if exe.is_file() else "agentserve", "bench", "--workload", "react", "--agents", "1",
+           "--policies", "agentserve", "--duration", "120", "--model", "tiny", "--steps", "3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        deadline = time.monotonic() + 180
+        while not any("ready" in log.read_text() for log in tmp.glob("agentserve-bench-*/server.log")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        time.sleep(1.0)  # agents running
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        left = list(tmp.glob("agentserve-bench*"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert proc.returncode == 128 + signal.SIGTERM and "agentserve bench: terminated" in out, out[-3000:]
+    assert "Traceback" not in out and not left, (left, out[-3000:])
