@@ -104,17 +104,41 @@ def first_tokens(steps: list[dict]) -> list[str]:
     return out
 
 
+def read_trace(path: str) -> list[dict]:
+    """The trace's records; ``ValueError`` naming the line for one that is not a JSON object.  A last line cut short
+    (a trace still being written, or its server killed mid-line) is left out."""
+    with open(path, encoding="utf-8") as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    steps = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1 and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{n}: not a step record (a JSON {type(record).__name__})")
+        steps.append(record)
+    return steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", help="a file written by agentserve up --trace-steps")
     ap.add_argument("--policy", help="only the steps of servers running this policy (a bench's servers may share "
                                      "one trace file)")
     args = ap.parse_args()
-    with open(args.trace) as f:
-        steps = [json.loads(line) for line in f if line.strip()]
-    if args.policy:
-        steps = [s for s in steps if s.get("policy", {}).get("policy") == args.policy]
-    print("\n".join(summarise(steps) + first_tokens(steps)) if steps else "no steps in the trace")
+    try:
+        steps = read_trace(args.trace)
+        if args.policy:
+            steps = [s for s in steps if s.get("policy", {}).get("policy") == args.policy]
+        lines = summarise(steps) + first_tokens(steps) if steps else ["no steps in the trace"]
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        ap.exit(2, f"{ap.prog}: {e}\n")
+    except (KeyError, TypeError) as e:
+        ap.exit(2, f"{ap.prog}: {args.trace} is not a step trace of this version (a record without {e})\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,29 @@ def _summary_module():
     return mod
 
 
+@pytest.mark.parametrize("content, says", [
+    (None, "No such file"), (b"\xff\xfe", "codec can't decode"), (b'{"lane": "decode"}\n{broken\n[]\n', ":2: not JSON"),
+    (b"[1, 2]\n", ":1: not a step record"), (b'{"x": 1}\n', "is not a step trace of this version"),
+])
+def test_the_summary_of_a_bad_trace_is_one_line_and_exit_2(tmp_path, content, says) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    trace = tmp_path / "t.jsonl"
+    if content is not None:
+        trace.write_bytes(content)
+    script = Path(__file__).parents[2] / "scripts" / "step_trace_summary.py"
+    res = subprocess.run([sys.executable, str(script), str(trace)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and says in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
+
+
+def test_a_trace_cut_mid_line_is_read_up_to_its_last_whole_line(tmp_path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"lane": "decode"}\n{"lane": "pre')
+    assert _summary_module().read_trace(str(trace)) == [{"lane": "decode"}]
+
+
 def test_summary_groups_decode_steps_by_what_ran_beside_them() -> None:
     def step(lane, start, ms, decode=0, prefill=0, rung=1):
         return {"lane": lane, "rung": rung, "start": start, "end": start + ms / 1e3, "ms": ms,
