@@ -25,6 +25,7 @@ SYSTEMS = {
     "fcfs": "first come, first served (not one of the paper's baselines)",
     "no-feedback": "AgentServe without the TPOT feedback controller",
     "no-partition": "AgentServe without the partition (green contexts on a GPU, core split on a CPU)",
+    "target": "an external server (`--target`), whatever it runs",
 }
 ABLATIONS = ("no-feedback", "no-partition")
 NEAR_FULL = 0.9  # "near 100 %" SLO attainment

@@ -131,3 +131,10 @@ def test_report_command(tmp_path):
     empty.mkdir()
     result = CliRunner().invoke(bench, ["--report", str(empty)])
     assert result.exit_code != 0 and "no bench JSON" in result.output
+
+
+def test_an_external_target_is_not_named_agentserve(tmp_path):
+    """A `--target` run's only system is `target`, whatever server it is: the facts called it AgentServe."""
+    _write(tmp_path, "t.json", fake_point(2, {"target": fake_figures()}, "react"))
+    text = paper.write_report(tmp_path, tmp_path / "paper.md").read_text()
+    assert "`target` (an external server" in text and "`target` (AgentServe)" not in text
