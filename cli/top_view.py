@@ -125,7 +125,7 @@ def load_block(snap: Snapshot) -> Table:
     g.add_row(
         "KV",
         f"{kv.used_blocks}/{kv.total_blocks} blocks ({_pct(used)})  pinned {kv.pinned_blocks}  "
-        f"prefix hits {_pct(kv.prefix_hit_rate)}",
+        f"prefix hits {_pct(kv.prefix_hit_rate)}  preempted {kv.preemptions}  evicted {kv.evictions}",
     )
     lanes = "  ".join(
         f"{ln.name} {_pct(ln.utilisation)} {ln.tokens_per_s:.0f} tok/s gap {ln.gap_p50_ms:.1f} ms" for ln in snap.lanes

@@ -86,6 +86,8 @@ class Metrics:
         self.success = c("request_success", "Finished requests by finish reason.", ["finished_reason"])
         self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = c("prefix_cache_hits", "Prompt tokens served from the KV cache.")
+        self.preemptions = c("num_preemptions", "Requests preempted (their KV freed, recomputed later).")
+        self._seen_preemptions = 0  # the orchestrator's count at the last scrape (it restarts from 0 with a scheduler)
         self._own()
 
     def _own(self) -> None:
@@ -164,6 +166,9 @@ class Metrics:
         self.kv_usage.set(kv.used_blocks / kv.total_blocks if kv.total_blocks else 0.0)
         self.kv_used.set(kv.used_blocks)
         self.pinned.set(kv.pinned_blocks)
+        since = kv.preemptions - self._seen_preemptions if kv.preemptions >= self._seen_preemptions else kv.preemptions
+        self.preemptions.inc(since)
+        self._seen_preemptions = kv.preemptions
         self.b_prefill.set(snap.control.b_prefill)
         self.r_min.set(snap.control.r_min)
         self.rung.set(snap.partition.rung)

@@ -205,6 +205,9 @@ class StatsPublisher:
             pinned_blocks=int(kv.get("held_by_sessions", 0)),
             block_size=ready.block_size if ready else 0,
             prefix_hit_rate=float(stats.get("prefix_hit_rate", 0.0) or 0.0),
+            preemptions=int(stats.get("preemptions", 0)),
+            evictions=int(kv.get("evictions", 0)),
+            pins_broken=int(stats.get("pins_broken", 0)),
         )
 
     def _lane(self, lane: Lane, now: float) -> LaneStat:

@@ -76,6 +76,11 @@ class Kv(_S):
     pinned_blocks: int = 0  # distinct blocks held for sessions between turns (a tool call, its grace)
     block_size: int = 0
     prefix_hit_rate: float = 0.0  # cached / prompt tokens over the window
+    # Since the scheduler started (an executor restart starts a new one): requests preempted (their blocks freed,
+    # recomputed later), cached prefix blocks evicted for new ones, sessions' pinned tables broken for room.
+    preemptions: int = 0
+    evictions: int = 0
+    pins_broken: int = 0
 
 
 class LaneStat(_S):

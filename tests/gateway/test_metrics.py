@@ -19,7 +19,7 @@ VLLM = {
     "request_prefill_time_seconds": "histogram", "request_decode_time_seconds": "histogram",
     "request_prompt_tokens": "histogram", "request_generation_tokens": "histogram",
     "prompt_tokens": "counter", "generation_tokens": "counter", "request_success": "counter",
-    "prefix_cache_queries": "counter", "prefix_cache_hits": "counter",
+    "prefix_cache_queries": "counter", "prefix_cache_hits": "counter", "num_preemptions": "counter",
 }
 
 
@@ -58,6 +58,23 @@ def test_vllm_names_types_labels_and_buckets(http_server, openai_client) -> None
         assert value(after, itl, itl + "_count") - value(before, itl, itl + "_count") == 4
     kv = value(after, "agentserve:kv_cache_usage_perc", "agentserve:kv_cache_usage_perc")
     assert 0.0 <= kv <= 1.0
+
+
+def test_preemptions_count_what_the_orchestrator_counted_across_its_restarts() -> None:
+    """vLLM's ``num_preemptions_total``, from the stats each scrape reads: the orchestrator's count starts from 0
+    again with a new scheduler (an executor restart), the counter never goes down."""
+    from msgspec.structs import replace
+
+    from agentserve.gateway.metrics import Metrics
+    from agentserve.protocol.stats import Kv, Snapshot
+
+    metrics = Metrics("m", 4096, ["vllm"])
+    for seen in (0, 3, 5, 5, 2):  # 5 preemptions, a restart, 2 more
+        metrics.on_snapshot(replace(Snapshot(), kv=Kv(total_blocks=8, preemptions=seen)), 0)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    for prefix in ("agentserve", "vllm"):
+        name = f"{prefix}:num_preemptions"
+        assert value(families, name, name + "_total") == 7
 
 
 def test_ttft_by_class_and_agentserve_gauges(http_server, openai_client) -> None:

@@ -242,3 +242,15 @@ def test_live_top_stops_quietly_when_the_pipe_closes(board):
         if proc.poll() is None:
             proc.kill()
     assert proc.stderr.read() == b""
+
+
+def test_the_board_carries_the_schedulers_kv_counts() -> None:
+    """Preemptions, evictions and broken pins were counted by the scheduler but reached no board, `top` or metric:
+    memory pressure was invisible without a step trace."""
+    from agentserve.orchestrator.stats_publisher import StatsPublisher
+
+    stats = {"kv": {"used": 5, "blocks": 8, "held_by_sessions": 2, "evictions": 4}, "preemptions": 3, "pins_broken": 1}
+    kv = StatsPublisher._kv(stats, None)
+    assert (kv.preemptions, kv.evictions, kv.pins_broken, kv.pinned_blocks) == (3, 4, 1, 2)
+    lines = screen(replace(realistic(), kv=kv), 200, None)
+    assert any("preempted 3  evicted 4" in line for line in lines), lines
