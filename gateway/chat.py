@@ -67,7 +67,7 @@ async def start_choices(runs: list[ChoiceRun]) -> None:
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         for run in runs:
-            run.abandon()
+            run.abandon(count=False)  # the request is refused: its choices that started are no aborts
         raise failed[0]
 
 

@@ -129,10 +129,13 @@ class ChoiceRun:
             return
         self.backend.conversations.file(self.plan.digests([self.reply()])[-1], session)
 
-    def abandon(self) -> None:
-        """The client went away or the turn failed: close the session (aborts a running turn, frees KV)."""
+    def abandon(self, count: bool = True) -> None:
+        """The client went away or the turn failed: close the session (aborts a running turn, frees KV); ``count``
+        it as an ``abort`` in the request metrics unless the request was refused (another choice of it failed to
+        start: nothing of it was answered)."""
         session, self.session = self.session, None
-        count_abandoned(self.backend.metrics, session)
+        if count:
+            count_abandoned(self.backend.metrics, session)
         if session is not None:
             self.backend.close_later(session)
 

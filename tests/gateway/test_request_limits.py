@@ -34,6 +34,7 @@ max_system_bytes = 1024
 [clients]
 tokenize_inline_bytes = 1024
 max_tokenizing_bytes = 4096
+max_sessions = 8
 """
 
 
@@ -162,6 +163,23 @@ def test_a_welcome_with_limits_of_any_type_still_decodes() -> None:
     frame = msgspec.msgpack.encode(Welcome(1, 1, limits={"max_messages": 9, "max_turn_s": 1.5, "mode": "x"}))
     welcome = ClientCodec().decode(frame)
     assert Limits.announced(welcome.limits) == Limits(max_messages=9)
+
+
+def test_choices_refused_past_the_session_limit_are_no_aborts(small_limits: HttpServer, http) -> None:
+    """n = 9 choices, one session each, past the connection's 8: a 503 ``busy``, and the 8 choices that had started
+    their turns were counted as aborts in ``request_success{finished_reason="abort"}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def aborts() -> float:
+        text = http.get("/metrics").text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "agentserve:request_success_total" and s.labels.get("finished_reason") == "abort")
+
+    before = aborts()
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 9,
+                                                "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "busy", r.text
+    assert aborts() == before
 
 
 def test_the_server_announces_its_request_limits(small_limits: HttpServer) -> None:
