@@ -10,6 +10,7 @@ naming the field (:func:`decode_body`).
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -166,9 +167,21 @@ def decode_body(data: bytes, kind: type[B]) -> B:
         param = _param_of(str(e))
         raise bad_request(f"invalid request: {e}", param=param) from None
     except msgspec.DecodeError as e:
-        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+        raise bad_request(f"the body is not valid JSON: {_why_not_json(data, e)}", code="invalid_json") from None
     except RecursionError:
         raise bad_request("the body is nested too deeply", code="invalid_json") from None
+
+
+def _why_not_json(data: bytes, error: msgspec.DecodeError) -> str:
+    """msgspec's reason, but for its one misleading case: a lone UTF-16 surrogate escape (``"\\ud800"``, which no
+    UTF-8 text can hold) reads "Input data was truncated" in a body that is whole."""
+    if "truncated" in str(error):
+        try:
+            json.loads(data)
+        except ValueError:
+            return str(error)
+        return "a \\uD800-\\uDFFF escape without its pair (a lone surrogate is no Unicode text)"
+    return str(error)
 
 
 def _param_of(message: str) -> str | None:

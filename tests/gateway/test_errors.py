@@ -87,6 +87,15 @@ def test_bad_json_too_long_prompt_unknown_model_and_route(http) -> None:
     _error(http.get("/v1/no/such/route"), 404)
 
 
+@pytest.mark.parametrize("body, says", [
+    (b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "escape without its pair"),  # read "truncated"
+    (b'{"messages": [{"role": "user", "content": "a', "truncated"),
+])
+def test_a_body_that_is_no_json_says_why(http, body, says) -> None:
+    err = _error(http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"}), 400)
+    assert err["code"] == "invalid_json" and says in err["message"], err
+
+
 @pytest.mark.parametrize("part", [{"type": "text"}, {"type": "text", "text": 5}])
 def test_a_text_part_without_its_text_says_so(http, part) -> None:
     """A text part without a string `text` is not refused as if it were an image ("got type 'text'")."""
