@@ -108,18 +108,19 @@ class AsyncAgentClient(ClientBase):
     async def _send(self, msg: Any, expect_reply: bool = True) -> None:
         if expect_reply:
             self._link.check_answering(msg.req)
+        frame = self._link.encode(msg)
         if not await self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
             raise self._link.unavailable(self.timeout)
         if expect_reply:
             self._queues[msg.req] = asyncio.Queue()
             self._sent_epoch[msg.req] = self._link.epoch
-        await self._sock.send(self._link.codec.encode(msg))
+        await self._sock.send(frame)
 
     def _send_nowait(self, msg: Any) -> None:
         """Send ``msg`` if the socket takes it now, expecting no reply; never raises, never waits (best effort:
         also from a cancelled task)."""
         with contextlib.suppress(Exception):
-            sent = self._sock.send(self._link.codec.encode(msg), zmq.NOBLOCK)
+            sent = self._sock.send(self._link.encode(msg), zmq.NOBLOCK)
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # an error is retrieved, not logged
 
     async def _recv(self, req: int, timeout: float) -> Any:

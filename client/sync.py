@@ -71,7 +71,7 @@ class AgentClient(ClientBase):
         if not self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
             raise self._link.unavailable(self.timeout)
         self._drain_monitor()
-        self._sock.send(self._link.codec.encode(msg), zmq.NOBLOCK)
+        self._sock.send(self._link.encode(msg), zmq.NOBLOCK)
         if expect_reply:
             self._sent_epoch[msg.req] = self._link.epoch
             self._inbox[msg.req] = deque()
@@ -79,7 +79,7 @@ class AgentClient(ClientBase):
     def _send_nowait(self, msg: Any) -> None:
         """Send ``msg`` if the socket takes it now, expecting no reply; never raises (best effort)."""
         with contextlib.suppress(Exception):
-            self._sock.send(self._link.codec.encode(msg), zmq.NOBLOCK)
+            self._sock.send(self._link.encode(msg), zmq.NOBLOCK)
 
     def _drain_socket(self) -> None:
         while True:

@@ -18,6 +18,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from agentserve.client.errors import (
     InvalidEndpoint,
+    InvalidRequest,
     ProtocolViolation,
     ServerDisconnected,
     ServerShutdown,
@@ -97,6 +98,14 @@ class Link:
 
     def shutting_down(self) -> bool:
         return self.shut_down_in == self.epoch
+
+    def encode(self, msg: Any) -> bytes:
+        """``msg``'s frame; an integer past 64 bits (a seed, a token id) is :class:`InvalidRequest`, not msgpack's
+        ``OverflowError``."""
+        try:
+            return self.codec.encode(msg)
+        except OverflowError:
+            raise InvalidRequest(f"request {msg.req}: an integer in it does not fit in 64 bits", req=msg.req) from None
 
     def check_answering(self, req: int) -> None:
         if self.shutting_down():

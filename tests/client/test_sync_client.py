@@ -112,6 +112,14 @@ def test_bad_turns_raise_typed_errors_and_the_session_still_works(server, kwargs
         assert s.turn("ok").collect().text == "ok"
 
 
+def test_an_integer_past_64_bits_is_a_typed_error_and_the_session_goes_on(server):
+    """msgpack's OverflowError escaped the SDK, untyped."""
+    with AgentClient(server.endpoint) as client, client.session() as s:
+        with pytest.raises(InvalidRequest, match="does not fit in 64 bits"):
+            s.turn("hi", seed=2**64)
+        assert s.turn("ok").collect().text == "ok"
+
+
 def test_second_turn_while_one_runs_is_turn_in_progress(slow_server):
     with AgentClient(slow_server.endpoint) as client:
         s = client.session()
