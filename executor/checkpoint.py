@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,9 @@ log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_FIELDS = {"linear": ("factor",),  # the numbers each scaling needs, each > 0
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+POSITIVE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -97,11 +101,20 @@ def _rope(raw: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None
     scaling["rope_type"] = rope_type
     scaling.pop("type", None)
     scaling.pop("rope_theta", None)
+    for name in ROPE_FIELDS[rope_type]:
+        value = scaling.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
+            raise CheckpointError(f"{path}: rope scaling {rope_type!r} needs {name}, a number > 0; got {value!r}")
+        scaling[name] = float(value)
+    if rope_type == "llama3" and scaling["low_freq_factor"] == scaling["high_freq_factor"]:
+        raise CheckpointError(f"{path}: rope scaling 'llama3' needs low_freq_factor != high_freq_factor")
     return theta, scaling
 
 
 def _architecture(raw: dict[str, Any], path: Path) -> str:
     archs = raw.get("architectures") or []
+    if isinstance(archs, str):  # one name where a list was due: read as that list
+        archs = [archs]
     for arch in archs:
         if arch in ARCHITECTURES:
             return arch
@@ -125,6 +138,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     if raw.get("use_sliding_window"):
         log.warning("%s: sliding-window attention is not implemented; using full attention", path)
     try:
+        for name in POSITIVE_FIELDS:
+            if int(raw[name]) < 1:
+                raise CheckpointError(f"{path}: {name} must be >= 1, got {raw[name]!r}")
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         theta, scaling = _rope(raw, path)
         bias = bool(raw.get("attention_bias", False))

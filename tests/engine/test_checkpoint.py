@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -112,6 +113,35 @@ def test_missing_field_and_unsupported_rope(ckpt):
     del cfg["hidden_size"]
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="hidden_size"):
+        load_config(ckpt)
+
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"rope_parameters": {k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}}, "needs low_freq_factor"),
+    ({"rope_parameters": LLAMA3 | {"factor": None}}, "needs factor, a number > 0; got None"),
+    ({"rope_parameters": LLAMA3 | {"high_freq_factor": 1.0}}, "low_freq_factor != high_freq_factor"),
+    ({"rope_scaling": {"type": "linear"}}, "'linear' needs factor"),
+    ({"rope_scaling": {"type": "linear", "factor": "four"}}, "needs factor, a number > 0; got 'four'"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be >= 1"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be >= 1"),
+])
+def test_a_config_the_model_cannot_be_built_from_is_named_at_load(ckpt, changes, says):
+    """These were a KeyError / TypeError / ZeroDivisionError traceback (at model build, or a decode step's IndexError
+    for zero layers) instead of a CheckpointError naming config.json and the field."""
+    edit_config(ckpt, **changes)
+    with pytest.raises(CheckpointError, match=f"config.json: .*{re.escape(says)}"):
+        load_config(ckpt)
+
+
+def test_architectures_given_as_one_string_is_read_as_that_name(ckpt):
+    edit_config(ckpt, architectures="Qwen3ForCausalLM")
+    assert load_config(ckpt).architecture == "Qwen3ForCausalLM"
+    edit_config(ckpt, architectures="GPT2LMHeadModel")
+    with pytest.raises(CheckpointError, match="unsupported architecture GPT2LMHeadModel;"):
         load_config(ckpt)
 
 
