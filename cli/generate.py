@@ -144,6 +144,8 @@ def generate(prompt_text: tuple[str, ...], prompt_ids: str | None, prompts_file:
 
     setup_logging(opts.pop("log_level"))
     try:
+        if opts["chat"] and prompt_ids:  # token ids go in as they are: --chat would be dropped without a word
+            raise ValueError("--chat wraps text prompts in the chat template; --prompt-ids are taken as they are")
         opts["prompts"] = _collect_prompts(prompt_text, prompt_ids, prompts_file)
         run_generate(opts)
     except (EngineError, configs.ConfigError, ValueError, OSError) as e:

@@ -25,6 +25,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "llama3", "linear")
 ROPE_FIELDS = {"linear": ("factor",),  # the numbers each scaling needs, each > 0
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+_WARNED_SLIDING: set[Path] = set()
 POSITIVE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -135,7 +136,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     arch = _architecture(raw, path)
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
-    if raw.get("use_sliding_window"):
+    if raw.get("use_sliding_window") and path not in _WARNED_SLIDING:  # once per folder, however often it is read
+        _WARNED_SLIDING.add(path)
         log.warning("%s: sliding-window attention is not implemented; using full attention", path)
     try:
         for name in POSITIVE_FIELDS:
