@@ -152,8 +152,8 @@ def test_bad_checkpoint_folders(tmp_path, tiny_dir, case):
         (["--prompt", "x", "--max-tokens", "ten"], "'ten' is not a valid integer"),
         (["--prompts-file", "/nonexistent.jsonl"], "prompts file not found"),
         (["--prompt", "x", "--config", "/nonexistent.toml"], "config file not found"),
-        (["--prompt", "ab\udcffcd"], "--prompt: not valid Unicode text"),
-        (["--prompt-ids", "1,2", "--chat"], "--prompt-ids are taken as they are"),  # undecodable bytes, as Python reads them
+        (["--prompt", "ab\udcffcd"], "--prompt: not valid Unicode text"),  # undecodable bytes, as Python reads them
+        (["--prompt-ids", "1,2", "--chat"], "--prompt-ids are taken as they are"),
     ],
 )
 def test_bad_arguments(args, message):
