@@ -132,7 +132,8 @@ def constraint(req: ChatCompletionRequest) -> Constraint | None:
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None:
             raise bad_request("response_format json_schema needs `json_schema`", param="response_format")
-        schema = json.dumps(fmt.json_schema.schema or {"type": "object"})
+        given = fmt.json_schema.schema  # {} is any JSON value, as JSON Schema (and vLLM) read it; absent: an object
+        schema = json.dumps({"type": "object"} if given is None else given, ensure_ascii=False)
     choice = req.tool_choice
     forced = choice.function.name if isinstance(choice, NamedToolChoice) else choice if choice == "required" else ""
     if schema and forced:

@@ -78,7 +78,7 @@ class StreamOptions(_Body):
 
 class JsonSchemaFormat(_Body):
     name: str = "response"
-    schema: dict[str, Any] = {}
+    schema: dict[str, Any] | None = None  # None: not given (an object then); {}: any JSON value
     strict: bool | None = None
     description: str | None = None
 

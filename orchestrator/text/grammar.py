@@ -66,7 +66,7 @@ def _schema_grammar(schema: dict[str, Any]) -> str:
 
 
 def json_schema_grammar(schema_text: str) -> str:
-    if len(schema_text) > MAX_SCHEMA_BYTES:
+    if len(schema_text.encode()) > MAX_SCHEMA_BYTES:
         raise GrammarError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes")
     try:
         schema = json.loads(schema_text)
@@ -90,11 +90,49 @@ def tool_function(tool: Any) -> dict[str, Any]:
     return fn
 
 
-def call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+def call_schema(tool: dict[str, Any], arguments_key: str, defs: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """One call's schema; parameters that use ``$ref`` go into ``defs`` under ``prefix`` (:func:`_hoisted`)."""
     fn = tool_function(tool)
     params = fn.get("parameters") or {"type": "object", "properties": {}}
+    if "$ref" in json.dumps(params):
+        params = _hoisted(params, prefix, defs)
     return {"type": "object", "properties": {"name": {"const": fn["name"]}, arguments_key: params},
             "required": ["name", arguments_key], "additionalProperties": False}
+
+
+def _hoisted(params: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A reference to ``params``, put into ``defs`` as ``prefix`` with its own ``$defs`` / ``definitions`` as
+    ``prefix.NAME``, every ``$ref`` into them or into itself renamed to match: inside a call's arguments its
+    pointers resolve from the root of the whole grammar's schema, not from its own (``#/$defs/x`` did not exist)."""
+    own = {**(params.get("definitions") or {}), **(params.get("$defs") or {})}
+
+    def rename(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rename(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rename(v) for k, v in node.items()}
+        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+            out["$ref"] = _renamed_ref(node["$ref"], prefix)
+        return out
+
+    try:
+        defs[prefix] = rename({k: v for k, v in params.items() if k not in ("$defs", "definitions")})
+        for name, schema in own.items():
+            defs[f"{prefix}.{name}"] = rename(schema)
+    except RecursionError:
+        raise GrammarError("a tool's parameters are nested too deeply", "tools") from None
+    return {"$ref": f"#/$defs/{prefix}"}
+
+
+def _renamed_ref(ref: str, prefix: str) -> str:
+    for root in ("#/$defs/", "#/definitions/"):
+        if ref.startswith(root):
+            name, slash, rest = ref[len(root):].partition("/")
+            name = name.replace("~1", "/").replace("~0", "~")  # a pointer's escapes: the key as written
+            key = f"{prefix}.{name}".replace("~", "~0").replace("/", "~1")
+            return f"#/$defs/{key}{slash}{rest}"
+    return f"#/$defs/{prefix}{ref[1:]}"  # "#" itself, or a pointer into the parameters' own body
 
 
 def tool_call_grammar(fmt: ToolCallFormat, tools: list[dict[str, Any]], choice: str, parallel: bool,
@@ -109,8 +147,10 @@ def tool_call_grammar(fmt: ToolCallFormat, tools: list[dict[str, Any]], choice: 
         raise GrammarError("tool_choice needs tools", "tool_choice")
     key = "parameters" if fmt.name == "llama3_json" else "arguments"
     chosen = [t for t, n in zip(tools, names, strict=True) if choice == "required" or n == choice]
-    schemas = [call_schema(t, key) for t in chosen]
-    body = json.dumps({**(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}), "x-guidance": JSON_OPTIONS})
+    defs: dict[str, Any] = {}
+    schemas = [call_schema(t, key, defs, f"tool{i}") for i, t in enumerate(chosen)]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    body = json.dumps({**schema, **({"$defs": defs} if defs else {}), "x-guidance": JSON_OPTIONS})
     if fmt.name == "llama3_json":
         call, sep = "body", '"; "'
     else:
@@ -127,3 +167,7 @@ def check(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:
                                      "the grammar cannot be checked")
     if is_error:
         raise GrammarError(f"the grammar is invalid: {'; '.join(messages)}")
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    matcher.compute_bitmask()  # a grammar whose language is empty fails only here (``{"$ref": "#"}``, a $ref cycle)
+    if matcher.is_error():
+        raise GrammarError("the constraint allows no output at all (e.g. a schema that only refers to itself)")

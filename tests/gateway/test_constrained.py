@@ -59,6 +59,60 @@ def test_forced_tool_calls_parse_and_validate(openai_client, choice, seed) -> No
         assert calls[0][0] == "calc"
 
 
+NODE = {"type": "object", "properties": {"v": {"enum": ["a", "b"]}, "next": {"anyOf": [{"$ref": "#/$defs/node"},
+                                                                                    {"type": "null"}]}},
+        "required": ["v", "next"], "additionalProperties": False}
+LINKED = {"$defs": {"node": {**NODE, "properties": {**NODE["properties"], "next": {"type": "null"}}}},
+          "type": "object", "properties": {"head": {"$ref": "#/$defs/node"}}, "required": ["head"],
+          "additionalProperties": False}
+PAIR = {"definitions": {"node": {"enum": [1, 2]}}, "type": "object",  # the same def name, another meaning
+        "properties": {"x": {"$ref": "#/definitions/node"}}, "required": ["x"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "linked"}}])
+def test_forced_calls_to_tools_whose_parameters_use_refs_compile_and_validate(openai_client, choice) -> None:
+    """A call's parameters sit inside its ``arguments``: their ``#/$defs/...`` pointers resolved from the grammar's
+    root, where nothing was (400 ``Pointer '/$defs/node' does not exist``)."""
+    tools = [{"type": "function", "function": {"name": "linked", "parameters": LINKED}},
+             {"type": "function", "function": {"name": "pair", "parameters": PAIR}}]
+    for seed in (1, 2, 3):
+        r = openai_client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice=choice,
+                                                  max_tokens=300, temperature=1.0, seed=seed)
+        for call in r.choices[0].message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), LINKED if call.function.name == "linked" else PAIR)
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                                     "$ref": "#/$defs/a"}])
+def test_a_schema_that_allows_no_output_is_refused(openai_client, schema) -> None:
+    """It compiled, and every seed answered an empty 200 (only end of text was allowed)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=20, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert e.value.body["param"] == "response_format" and "allows no output" in e.value.body["message"]
+
+
+def test_a_schemas_size_is_its_utf8_bytes_and_an_empty_one_is_any_json(openai_client) -> None:
+    """Non-ASCII text counted as its \\uXXXX escapes (a 40 KB schema was 'larger than 65536 bytes'); ``{}`` was
+    read as an object where JSON Schema, and the SDK, take any value."""
+    from agentserve.gateway.chat_plan import constraint
+    from agentserve.gateway.schemas import ChatCompletionRequest, decode_body
+
+    words = [f"Zürich-Ärger-Öl-Ω{i}" * 3 for i in range(600)]
+    big = {"type": "object", "properties": {"city": {"enum": words}}, "required": ["city"]}
+    assert len(json.dumps(big)) > 65536 and len(json.dumps(big, ensure_ascii=False).encode()) < 48 * 1024
+    r = openai_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=200, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": big}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), big)
+
+    def schema_of(fmt: dict) -> str:
+        body = json.dumps({"messages": ASK, "response_format": fmt}).encode()
+        return constraint(decode_body(body, ChatCompletionRequest)).json_schema
+
+    assert schema_of({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}) == "{}"
+    assert json.loads(schema_of({"type": "json_schema", "json_schema": {"name": "x"}})) == {"type": "object"}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_string_inside_a_forced_call_ends_it_as_stop_not_tool_calls(openai_client, stream) -> None:
     """The call is cut where the stop string begins, its arguments no JSON: ``tool_calls`` told clients to run it
