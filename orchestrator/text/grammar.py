@@ -167,7 +167,8 @@ def check(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:
                                      "the grammar cannot be checked")
     if is_error:
         raise GrammarError(f"the grammar is invalid: {'; '.join(messages)}")
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-    matcher.compute_bitmask()  # a grammar whose language is empty fails only here (``{"$ref": "#"}``, a $ref cycle)
+    what = "the grammar cannot be checked"
+    matcher = _llguidance(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0), what)
+    _llguidance(matcher.compute_bitmask, what)  # an empty language fails only here (``{"$ref": "#"}``, a $ref cycle)
     if matcher.is_error():
         raise GrammarError("the constraint allows no output at all (e.g. a schema that only refers to itself)")
