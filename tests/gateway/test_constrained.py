@@ -77,7 +77,8 @@ def test_forced_calls_to_tools_whose_parameters_use_refs_compile_and_validate(op
              {"type": "function", "function": {"name": "pair", "parameters": PAIR}}]
     for seed in (1, 2, 3):
         r = openai_client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice=choice,
-                                                  max_tokens=300, temperature=1.0, seed=seed)
+                                                  parallel_tool_calls=False, max_tokens=300, temperature=1.0, seed=seed)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
         for call in r.choices[0].message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), LINKED if call.function.name == "linked" else PAIR)
 
@@ -99,10 +100,13 @@ def test_a_schemas_size_is_its_utf8_bytes_and_an_empty_one_is_any_json(openai_cl
     from agentserve.gateway.schemas import ChatCompletionRequest, decode_body
 
     words = [f"Zürich-Ärger-Öl-Ω{i}" * 3 for i in range(600)]
-    big = {"type": "object", "properties": {"city": {"enum": words}}, "required": ["city"]}
+    big = {"type": "object", "properties": {"city": {"enum": words}}, "required": ["city"],
+           "additionalProperties": False}
     assert len(json.dumps(big)) > 65536 and len(json.dumps(big, ensure_ascii=False).encode()) < 48 * 1024
-    r = openai_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=200, response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": big}})
+    r = openai_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=300, temperature=0,
+                                              response_format={"type": "json_schema",
+                                                               "json_schema": {"name": "x", "schema": big}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0]
     jsonschema.validate(json.loads(r.choices[0].message.content), big)
 
     def schema_of(fmt: dict) -> str:
