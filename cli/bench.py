@@ -7,6 +7,7 @@ import importlib.util
 import math
 import os
 import shlex
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -229,7 +230,8 @@ def bench(ctx: click.Context, workload: str, agents: str | None, policies: str, 
           seed: int | None, ttft_slo_ms: float, tpot_slo_ms: float, request_timeout: float,
           server_args: tuple[str, ...], keep_logs: str | None) -> None:
     """Run closed-loop agents against each system for --duration seconds and compare them."""
-    interrupt_on_sigterm()  # its servers and temporary folders are removed on a SIGTERM as on a Ctrl-C
+    before = interrupt_on_sigterm()  # its servers and temporary folders are removed on a SIGTERM as on a Ctrl-C
+    ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, before))  # a caller's own handler back (CliRunner)
     if report_dir:
         from agentserve.bench import paper
 

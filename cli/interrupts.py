@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
@@ -21,14 +21,15 @@ class Terminated(KeyboardInterrupt):
     signum = signal.SIGTERM
 
 
-def interrupt_on_sigterm() -> None:
+def interrupt_on_sigterm() -> Any:
     """From now on in this (main) thread, SIGTERM interrupts as Ctrl-C does: ``finally`` blocks and context managers
-    run (servers stopped, temporary folders removed) instead of the process dying where it stands."""
+    run (servers stopped, temporary folders removed) instead of the process dying where it stands.  Returns the
+    handler it replaced (to put back)."""
 
     def terminate(signum: int, frame: object) -> None:
         raise Terminated
 
-    signal.signal(signal.SIGTERM, terminate)
+    return signal.signal(signal.SIGTERM, terminate)
 
 
 def exit_interrupted(command: str | None, error: KeyboardInterrupt | None = None) -> NoReturn:

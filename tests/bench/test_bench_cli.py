@@ -181,6 +181,14 @@ def test_bad_values_are_a_usage_error_before_anything_runs(args, says, monkeypat
         result.output
 
 
+def test_bench_gives_its_caller_back_its_sigterm_handler():
+    """bench turns SIGTERM into an interrupt while it runs; a caller in the same process (CliRunner, a script) keeps
+    its own handler afterwards."""
+    before = signal.getsignal(signal.SIGTERM)
+    result = CliRunner().invoke(bench, ["--target", "http://127.0.0.1:9", "--workload", "nosuch"])  # past the install
+    assert result.exit_code == 2 and signal.getsignal(signal.SIGTERM) is before
+
+
 @pytest.mark.parametrize("toml, says", [
     ("[workload]\nname = 'x'\n", "the workload has no 'steps_per_task'"),
     ("[workload\n", "--workload"),
