@@ -159,6 +159,13 @@ def _cmdline(pid: int) -> bytes:
         return f.read()
 
 
+def _kill_if_running(proc: subprocess.Popen) -> None:
+    """A test's ``up`` that a failure left running: killed and reaped."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 def _ready_then_signal(*flags: str, sig: signal.Signals = signal.SIGINT, times: int = 1,
                        hangup_ignored: bool = False) -> str:
     """``agentserve up --model tiny`` until its ready line, then ``sig`` (``times`` times, 1 ms apart; killed if it
@@ -186,9 +193,7 @@ def _ready_then_signal(*flags: str, sig: signal.Signals = signal.SIGINT, times: 
             proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _kill_if_running(proc)
     assert any(line.startswith("AgentServe ready") for line in lines), (lines, err)
     assert proc.returncode == 0, (proc.returncode, err)
     assert not [n for n in os.listdir("/dev/shm") if run in n]
@@ -241,9 +246,7 @@ def test_a_stdout_nobody_reads_does_not_stop_the_server(tmp_path) -> None:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _kill_if_running(proc)
     assert proc.returncode == 0 and "shut down cleanly" in err, (proc.returncode, err)
 
 
