@@ -11,10 +11,10 @@ Prefill on CUDA calls SDPA with 4-D ``[1, heads, L, D]`` queries against ``[1, k
 ``enable_gqa``, causal (bottom-right aligned after a cached prefix), so its fused kernels run and K/V are
 never repeated per query head.  On CPU it calls SDPA's flash kernel directly with each KV head's query group
 folded into rows (K/V read once per group), in query blocks of at most :data:`CPU_ROW_BLOCK` rows: each
-block attends every key before its first row (cached prefix, earlier rows) unmasked and its own rows' keys
-under an additive causal mask the size of the block, the two merged by log-sum-exp (on bf16 copies where
-``prefill_dtype`` says so: PyTorch runs them on AMX tiles; an fp16 cache's blocks gathered as bf16 in one pass by
-:mod:`.cpu_gather` where given) — or, where a prefill kernel was given
+block attends the keys before its first row (cached prefix, earlier rows) unmasked and its own rows' keys
+under an additive causal mask, the two merged by log-sum-exp (on bf16 copies where ``prefill_dtype`` says so:
+PyTorch runs them on AMX tiles, each call on padded shapes from a bounded set; an fp16 cache's blocks gathered
+as bf16 in one pass by :mod:`.cpu_gather` where given) — or, where a prefill kernel was given
 (:mod:`.cpu_prefill`: bf16 dot products on AVX512-BF16 CPUs), each chunk of more than one token attends its keys
 in place through that kernel.  The Triton backend (:mod:`.triton_backend`) replaces this path
 on CUDA by default.
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from agentserve.executor.attention.cpu_prefill import PagedPrefillKernel
 
 CPU_ROW_BLOCK = 256  # query rows per block: each block's causal mask covers its own rows' keys only
+ROW_PAD = 16  # bf16 CPU prefill: a block's query rows rounded up to this (bounded kernel shapes, _flash_chunk)
+KEY_PAD = 64  # bf16 CPU prefill: the keys of each attention call rounded down (unmasked) or up (masked) to this
 
 
 @dataclass
@@ -134,13 +136,39 @@ def _run_start(blocks: list[int]) -> int | None:
     return first if blocks == list(range(first, first + len(blocks))) else None
 
 
-@functools.lru_cache(maxsize=16)
-def _causal_block(group: int, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The additive causal mask of a block of ``rows`` queries against their own keys, for each of a KV head's
-    ``group`` query heads folded into rows: ``[1, 1, group * rows, rows]``, 0 on and below the diagonal, -inf
-    above.  The same for every layer and every block of that size, so made once."""
-    mask = torch.full((group, rows, rows), float("-inf"), dtype=dtype, device=device).triu_(1)
-    return mask.view(1, 1, group * rows, rows)
+@functools.lru_cache(maxsize=64)
+def _causal_block(group: int, rows: int, keys: int, offset: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """The additive causal mask of a block of ``rows`` queries against ``keys`` keys that start ``offset`` positions
+    before the block's first row, for each of a KV head's ``group`` query heads folded into rows:
+    ``[1, 1, group * rows, keys]``, 0 where row ``j`` attends key ``c <= offset + j``, -inf after.  The same for every
+    layer of a step, so made once."""
+    mask = torch.full((group, rows, keys), float("-inf"), dtype=dtype, device=device).triu_(offset + 1)
+    return mask.view(1, 1, group * rows, keys)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _rows_padded(qh: torch.Tensor, rows: int) -> torch.Tensor:
+    """Query rows ``[kv_heads, group, r, D]`` as ``[1, kv_heads, group * rows, D]``, zero rows appended
+    (``rows >= r``)."""
+    kvh, g, r, d = qh.shape
+    if rows == r:
+        return qh.reshape(1, kvh, g * r, d)
+    padded = qh.new_zeros(kvh, g, rows, d)
+    padded[:, :, :r] = qh
+    return padded.view(1, kvh, g * rows, d)
+
+
+def _keys_padded(kh: torch.Tensor, begin: int, end: int, keys: int) -> torch.Tensor:
+    """Keys (or values) ``[begin, end)`` of ``kh`` ``[1, kv_heads, S, D]``, zeros appended up to ``keys`` of them."""
+    if keys == end - begin:
+        return kh[:, :, begin:end]
+    padded = kh.new_zeros(1, kh.shape[1], keys, kh.shape[3])
+    padded[:, :, : end - begin] = kh[:, :, begin:end]
+    return padded
 
 
 def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -313,21 +341,29 @@ class TorchAttention(AttentionBackend):
     def _flash_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """CPU prefill in query blocks, GQA groups folded into rows. Shapes as ``_sdpa_chunk``.
 
-        Each block of rows attends every key before its first row (the cached prefix and the chunk's earlier
-        rows) without a mask, and its own rows' keys under a causal mask the size of the block, the two merged
-        by log-sum-exp (:func:`cascade.merge`): no mask is built, filled or added over the bulk of the keys."""
+        Each block of rows attends the keys before its first row (the cached prefix and the chunk's earlier rows)
+        without a mask, and the rest — its own rows' keys — under a causal mask, the two merged by log-sum-exp
+        (:func:`cascade.merge`): no mask is built, filled or added over the bulk of the keys.  In bf16 every call has
+        a bounded set of shapes: PyTorch keeps the kernels it generates for each shape it meets, for the life of the
+        process (~75 KB each on an AMX Xeon), so a block's rows are padded to :data:`ROW_PAD` with zero rows and the
+        unmasked call takes a multiple of :data:`KEY_PAD` keys, the masked one the remainder padded to that multiple
+        with masked zero keys."""
         n, kvh, g, d = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+        row_pad, key_pad = (ROW_PAD, KEY_PAD) if q.dtype == torch.bfloat16 else (1, 1)
         qh = q.view(n, kvh, g, d).permute(1, 2, 0, 3)  # [kv_heads, group, n, D]
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, S, D] views
         out = torch.empty(n, kvh, g, d, dtype=q.dtype, device=q.device)
         for r0 in range(0, n, CPU_ROW_BLOCK):
             r1 = min(n, r0 + CPU_ROW_BLOCK)
-            qb = qh[:, :, r0:r1].reshape(1, kvh, g * (r1 - r0), d)
-            seen, own = start + r0, start + r1  # keys [0, seen) precede every row of the block; [seen, own) its own
-            ob, lse = _flash_cpu(qb, kh[:, :, seen:own], vh[:, :, seen:own],
-                                 attn_mask=_causal_block(g, r1 - r0, q.dtype, q.device), scale=self.scale)
-            if seen > 0:
-                op, lp = _flash_cpu(qb, kh[:, :, :seen], vh[:, :, :seen], scale=self.scale)
+            rows, seen, own = _round_up(r1 - r0, row_pad), start + r0, start + r1
+            split = seen - seen % key_pad  # keys [0, split) precede every row of the block, [split, own) go masked
+            keys = _round_up(own - split, key_pad)
+            qb = _rows_padded(qh[:, :, r0:r1], rows)
+            mask = _causal_block(g, rows, keys, seen - split, q.dtype, q.device)
+            ob, lse = _flash_cpu(qb, _keys_padded(kh, split, own, keys), _keys_padded(vh, split, own, keys),
+                                 attn_mask=mask, scale=self.scale)
+            if split > 0:
+                op, lp = _flash_cpu(qb, kh[:, :, :split], vh[:, :, :split], scale=self.scale)
                 ob = cascade.merge(op, lp, ob, lse)
-            out[r0:r1] = ob.view(kvh, g, r1 - r0, d).permute(2, 0, 1, 3)
+            out[r0:r1] = ob.view(kvh, g, rows, d)[:, :, : r1 - r0].permute(2, 0, 1, 3)
         return out.view(n, self.num_heads, d)

@@ -72,6 +72,33 @@ def test_chunks_match_float64_attention_on_their_bf16_inputs(kv_heads, group, di
     assert ((got.double() - want).norm() / want.norm()).item() < WEIGHTS_TOL
 
 
+def test_its_attention_calls_take_a_bounded_set_of_shapes(monkeypatch):
+    """PyTorch keeps the kernels it makes for each bf16 flash-attention shape for the life of the process (a server's
+    memory grew without bound with the (rows, keys) pairs its resumes met): every call takes query rows a multiple of
+    ``ROW_PAD`` per folded head and keys a multiple of ``KEY_PAD``, and the results still match float64 attention."""
+    heads, kv_heads, dim, bs = 4, 2, 16, 16
+    shapes = set()
+
+    def recording(q, k, v, attn_mask=None, scale=None):
+        shapes.add((q.shape[2], k.shape[2]))
+        return flash(q, k, v, attn_mask=attn_mask, scale=scale)
+
+    flash = torch_backend._flash_cpu
+    monkeypatch.setattr(torch_backend, "_flash_cpu", recording)
+    backend = TorchAttention(heads, kv_heads, dim, bs, CPU, prefill_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(11)
+    k_cache, v_cache = (torch.randn(40, bs, kv_heads, dim, generator=g) for _ in range(2))
+    table = torch.randperm(40, generator=g).tolist()
+    for start, n in [(0, 2), (0, 300), (5, 9), (63, 2), (64, 17), (130, 70), (301, 33), (333, 280)]:
+        q, k, v = (torch.randn(n, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+        got = one_chunk(backend, q, k, v, k_cache, v_cache, table, start)
+        keys, vals = (c[table].flatten(0, 1)[: start + n] for c in (k_cache, v_cache))
+        want = reference(q, keys, vals, start, group=heads // kv_heads)
+        assert ((got.double() - want).norm() / want.norm()).item() < WEIGHTS_TOL, (start, n)
+    group_rows = heads // kv_heads * torch_backend.ROW_PAD
+    assert all(rows % group_rows == 0 and keys % torch_backend.KEY_PAD == 0 for rows, keys in shapes), shapes
+
+
 def test_a_riding_decode_is_untouched_and_chunks_differ_from_fp32_by_bf16_rounding():
     heads, kv_heads, dim, bs = 4, 2, 32, 8
     g = torch.Generator().manual_seed(8)
