@@ -136,7 +136,7 @@ def _run_start(blocks: list[int]) -> int | None:
     return first if blocks == list(range(first, first + len(blocks))) else None
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)  # a step's chunks need a few; up to ~1.5 MB each (8 query heads a KV head)
 def _causal_block(group: int, rows: int, keys: int, offset: int, dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
     """The additive causal mask of a block of ``rows`` queries against ``keys`` keys that start ``offset`` positions
