@@ -1,19 +1,23 @@
 """Latency metrics of a benchmark run, computed from per-request timelines.
 
-Conventions (those of ``vllm bench serve`` / SGLang ``bench_serving``):
+Conventions (those of ``vllm bench serve`` / SGLang ``bench_serving`` where not said otherwise):
 
-* TTFT = first token arrival − send time; E2E = last token arrival − send time;
+* TTFT = first token arrival − send time; E2E = last token arrival − send time (vLLM takes the stream's end, a few
+  ms later; every system here is measured the same way);
 * TPOT = (E2E − TTFT) / (n − 1) for a request of n output tokens (undefined for n = 1);
 * ITL = the gap between consecutive *chunks* as the client receives them (a chunk that carries
-  several tokens counts once);
+  several tokens counts once: vLLM's rule; SGLang splits such a gap over its tokens);
 * SLO attainment = share of the requests sent (finished or failed) that finished with TTFT ≤ SLO and
-  TPOT ≤ SLO (a one-token request has no TPOT and is judged on TTFT only; a failed one meets neither);
-  goodput = the requests that met both per second of the run (DistServe); token throughput = output
-  tokens per second of the run.  Rates count what happened *in* the measured window (from the end of the warm-up
-  to the deadline) and divide by it: the output tokens whose chunks arrived in it, the requests that finished in
-  it (whenever sent).  So they are exact with or without a warm-up: a turn in flight at either edge counts for
-  the part of it inside, and the drain after the deadline (a system's own slowest turns) counts nowhere.
-  Latencies and SLO attainment are of the requests *sent* in the window.
+  TPOT ≤ SLO (a one-token request has no TPOT and is judged on TTFT only; a failed one meets neither, but it also
+  ends its agent, whose later turns are never sent: compare attainment only in runs without errors, which bench
+  exits non-zero on); goodput = the requests that met both per second of the run (vLLM's request goodput);
+  token throughput = output tokens per second of the run.  Rates count what happened *in* the measured window
+  (from the end of the warm-up to the deadline) and divide by it: the output tokens whose chunks arrived in it,
+  the requests that finished in it (whenever sent).  So they are exact with or without a warm-up: a turn in flight
+  at either edge counts for the part of it inside, and the drain after the deadline (a system's own slowest turns)
+  counts nowhere.  Latencies and SLO attainment are of the requests *sent* in the window; task time is of the tasks
+  started in it that finished by the deadline (the longest tasks are the likeliest to straddle an edge, so its
+  mean leans a little short).
 
 All times are seconds of one monotonic clock (``time.perf_counter``); reports convert to ms.
 """
