@@ -28,9 +28,12 @@ async def _run_turn(session: DriverSession, rec: RequestRecord, prompt_ids, time
 
 async def _run_task(driver: Driver, task: Task, run: RunRecord, deadline: float, timeout_s: float,
                     on_request: Callable[[RequestRecord], None] | None) -> bool:
-    """Play one task; returns False when the agent must stop (an error)."""
+    """Play one task; returns False when the agent must stop (an error).
+
+    The session is opened with the first turn, inside its timing: a server that needs a session (the SDK's open
+    round trip) pays for it in the cold turn's TTFT, as a stateless one pays for its connection."""
     record: TaskRecord | None = None
-    session = await driver.open_session()
+    session: DriverSession | None = None
     try:
         for step, turn in enumerate(task.turns):
             if turn.wait_s:  # the tool runs; no need to sleep past the end of the run
@@ -44,6 +47,9 @@ async def _run_task(driver: Driver, task: Task, run: RunRecord, deadline: float,
                 record = TaskRecord(task.agent, task.index, rec.sent)
                 run.tasks.append(record)
             try:
+                if session is None:
+                    async with asyncio.timeout(timeout_s):
+                        session = await driver.open_session()
                 await _run_turn(session, rec, turn.prompt_ids, timeout_s)
                 if not rec.chunks:
                     raise RuntimeError("the server returned no tokens")
@@ -57,7 +63,8 @@ async def _run_task(driver: Driver, task: Task, run: RunRecord, deadline: float,
             record.end = rec.chunks[-1][0]
         return True
     finally:
-        await session.close()
+        if session is not None:
+            await session.close()
 
 
 async def run_closed_loop(

@@ -39,8 +39,11 @@ class FakeSession:
 class FakeDriver:
     name = "fake"
 
-    def __init__(self, token_s: float = 0.001, fail_after: int | None = None, short_by: int = 0) -> None:
+    def __init__(self, token_s: float = 0.001, fail_after: int | None = None, short_by: int = 0,
+                 open_s: float = 0.0, open_fails: bool = False) -> None:
         self.token_s = token_s
+        self.open_s = open_s  # an open's round trip
+        self.open_fails = open_fails
         self.fail_after = fail_after
         self.short_by = short_by  # tokens left out of each reply (a server that ignores ignore_eos)
         self.turns = 0
@@ -48,6 +51,9 @@ class FakeDriver:
         self.closed = 0
 
     async def open_session(self):
+        await asyncio.sleep(self.open_s)
+        if self.open_fails:
+            raise ConnectionError("open refused")
         self.opened += 1
         return FakeSession(self)
 

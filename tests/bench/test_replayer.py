@@ -32,8 +32,8 @@ def test_agents_replay_their_scripts_in_a_closed_loop():
         # tasks in order, each starting with its cold turn
         assert [r.step for r in reqs[:6]] == [0, 1, 2, 0, 1, 2]
     assert len(seen) == len(run.requests)
-    # sessions: one per task, every one closed (an agent may open one more as the deadline passes, then send nothing)
-    assert driver.opened == driver.closed and len(run.tasks) <= driver.opened <= len(run.tasks) + 2
+    # sessions: one per task, opened with its first turn, every one closed
+    assert driver.opened == driver.closed == len(run.tasks)
     done = [t for t in run.tasks if t.end is not None]
     assert done and all(t.end > t.start for t in done)
     # no turn is started after the deadline
@@ -53,6 +53,18 @@ def test_a_failing_server_stops_the_agents_with_recorded_errors():
     assert sum(r.error is not None for r in run.requests) == 3
     assert all("server gone" in r.error for r in run.requests if r.error)
     assert driver.opened == driver.closed
+
+
+def test_a_session_is_opened_inside_its_first_turns_timing():
+    """A server that needs a session pays its open in the cold turn's TTFT, and a refused open is the turn's error."""
+    w = tiny_workload(agents=1, steps=2, tool_s=0.0)
+    run = asyncio.run(run_closed_loop(FakeDriver(token_s=0.001, open_s=0.05), w, duration_s=0.3))
+    cold = [r for r in run.requests if r.step == 0]
+    resumed = [r for r in run.requests if r.step > 0]
+    assert cold and resumed
+    assert all(r.ttft >= 0.05 for r in cold) and all(r.ttft < 0.05 for r in resumed)
+    run = asyncio.run(run_closed_loop(FakeDriver(open_fails=True), w, duration_s=5.0))
+    assert [r.error for r in run.requests] == ["ConnectionError: open refused"]
 
 
 def test_a_stuck_request_times_out_instead_of_hanging():
