@@ -123,8 +123,9 @@ def _check_tool_choice(req: ChatCompletionRequest, tools: list[dict[str, Any]]) 
 
 
 def constraint(req: ChatCompletionRequest) -> Constraint | None:
-    """The grammar a request asks for: ``response_format`` json_object / json_schema, or a forced tool call
-    (``tool_choice`` required or named).  The orchestrator compiles it (a 400 if it cannot)."""
+    """The grammar a request asks for: ``response_format`` json_object / json_schema (or calls of its tools, where the
+    model may call them), or a forced tool call (``tool_choice`` required or named: the call, whatever the
+    ``response_format``).  The orchestrator compiles it (a 400 if it cannot)."""
     fmt = req.response_format
     schema = ""
     if fmt is not None and fmt.type == "json_object":
@@ -136,13 +137,12 @@ def constraint(req: ChatCompletionRequest) -> Constraint | None:
         schema = json.dumps({"type": "object"} if given is None else given, ensure_ascii=False)
     choice = req.tool_choice
     forced = choice.function.name if isinstance(choice, NamedToolChoice) else choice if choice == "required" else ""
-    if schema and forced:
-        raise bad_request("response_format and a forced tool_choice cannot be combined", param="tool_choice")
     if not schema and not forced:
         return None
+    tool_choice = forced or ("auto" if req.tools and choice != "none" else "")  # auto: the schema's JSON, or calls
     # a named function is one call (as OpenAI and vLLM answer it); otherwise parallel unless told not to
     parallel = not isinstance(choice, NamedToolChoice) and req.parallel_tool_calls is not False
-    return Constraint(json_schema=schema, tool_choice=forced, parallel_tool_calls=parallel)
+    return Constraint(json_schema=schema, tool_choice=tool_choice, parallel_tool_calls=parallel)
 
 
 def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:

@@ -15,6 +15,7 @@ from agentserve.orchestrator.text.grammar import (
     check,
     json_schema_grammar,
     ll_tokenizer,
+    schema_or_calls_grammar,
     tool_call_grammar,
 )
 from agentserve.orchestrator.text.tokenization import Tokenizer
@@ -25,19 +26,25 @@ UNCONSTRAINED_CHOICES = ("", "auto", "none")
 
 
 def grammar_for(turn: Turn, tools: list[dict[str, Any]], tokenizer: Tokenizer, vocab_size: int) -> str:
-    """The grammar text for ``turn`` ("" when it asks for none); raises :class:`GrammarError`."""
+    """The grammar text for ``turn`` ("" when it asks for none); raises :class:`GrammarError`.
+
+    A forced call (``required`` or a name) takes the tool-call grammar whether or not a JSON schema is given: the
+    schema shapes a reply's text, and a forced call has none (as vLLM and OpenAI answer it).  A schema with
+    ``tool_choice`` ``auto`` and tools: the schema's JSON or calls of any tool; else the schema's JSON alone."""
     c = turn.constraint
-    if c is None or (not c.json_schema and c.tool_choice in UNCONSTRAINED_CHOICES):
+    forced = c is not None and c.tool_choice not in UNCONSTRAINED_CHOICES
+    if c is None or (not c.json_schema and not forced):
         return ""
-    if c.json_schema and c.tool_choice not in UNCONSTRAINED_CHOICES:
-        raise GrammarError("a turn constrains to a JSON schema or to tool calls, not both", "")
     if turn.token_ids:
         raise GrammarError("constrained output needs a chat turn (messages), not raw token ids", "")
-    if c.json_schema:
-        grammar = json_schema_grammar(c.json_schema)
+    tagged = tokenizer.token_to_id("<tool_call>") is not None and tokenizer.token_to_id("</tool_call>") is not None
+    fmt = tokenizer.tool_call_format
+    if forced:
+        grammar = tool_call_grammar(fmt, tools, c.tool_choice, c.parallel_tool_calls, tagged)
+    elif c.tool_choice == "auto" and tools:
+        grammar = schema_or_calls_grammar(c.json_schema, fmt, tools, c.parallel_tool_calls, tagged)
     else:
-        tagged = tokenizer.token_to_id("<tool_call>") is not None and tokenizer.token_to_id("</tool_call>") is not None
-        grammar = tool_call_grammar(tokenizer.tool_call_format, tools, c.tool_choice, c.parallel_tool_calls, tagged)
+        grammar = json_schema_grammar(c.json_schema)
     size = len(grammar.encode())
     if size > MAX_GRAMMAR_BYTES:
         raise GrammarError(f"the constraint's grammar is {size} bytes, more than the {MAX_GRAMMAR_BYTES} one step "

@@ -119,7 +119,9 @@ class Timings(WireStruct, frozen=True):
 class Constraint(WireStruct, frozen=True):
     """Constrain a turn's output with a grammar; the server answers ``invalid_request`` when it cannot
     compile one.  ``json_schema``: a JSON schema's text (``{"type": "object"}`` for any object);
-    ``tool_choice``: ``required`` (a call of one of the session's tools) or the name of one tool."""
+    ``tool_choice``: ``required`` (a call of one of the session's tools) or the name of one tool — the schema then
+    does not apply (a forced call has no text to shape) — or ``auto`` beside a schema: the schema's JSON or calls of
+    the session's tools."""
 
     json_schema: str = ""
     tool_choice: str = ""

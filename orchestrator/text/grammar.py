@@ -1,4 +1,4 @@
-"""Grammars for constrained decoding (llguidance): JSON schemas and forced tool calls.
+"""Grammars for constrained decoding (llguidance): JSON schemas, forced tool calls, and either of the two.
 
 The orchestrator builds and checks a grammar when a turn asks for one (an invalid or unsupported
 schema is the client's error, answered before anything runs); the executor builds a matcher from
@@ -66,6 +66,11 @@ def _schema_grammar(schema: dict[str, Any]) -> str:
 
 
 def json_schema_grammar(schema_text: str) -> str:
+    return _schema_grammar(_schema_object(schema_text))
+
+
+def _schema_object(schema_text: str) -> dict[str, Any]:
+    """A request's JSON schema text as a schema object; :class:`GrammarError` if it is too large or none."""
     if len(schema_text.encode()) > MAX_SCHEMA_BYTES:
         raise GrammarError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes")
     try:
@@ -76,7 +81,7 @@ def json_schema_grammar(schema_text: str) -> str:
         raise GrammarError("the JSON schema is nested too deeply") from None
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
-    return _schema_grammar(schema)
+    return schema
 
 
 def tool_function(tool: Any) -> dict[str, Any]:
@@ -139,6 +144,23 @@ def tool_call_grammar(fmt: ToolCallFormat, tools: list[dict[str, Any]], choice: 
                       tags_are_tokens: bool = True) -> str:
     """``choice``: ``required`` (any of ``tools``) or the name of one tool.  ``tags_are_tokens``: the
     tokenizer has ``<tool_call>`` / ``</tool_call>`` as tokens of their own (the model writes those)."""
+    return _lark_grammar("start: calls\n" + _calls_rules(fmt, tools, choice, parallel, tags_are_tokens))
+
+
+def schema_or_calls_grammar(schema_text: str, fmt: ToolCallFormat, tools: list[dict[str, Any]], parallel: bool,
+                            tags_are_tokens: bool = True) -> str:
+    """A reply that is either JSON of ``schema_text`` or calls of any of ``tools``: ``response_format`` beside tools
+    the model may call (``tool_choice`` auto), as OpenAI answers it — an agent with an output type and tools calls
+    its tools, then answers in its type."""
+    answer = json.dumps({**_schema_object(schema_text), "x-guidance": JSON_OPTIONS})
+    rules = _calls_rules(fmt, tools, "required", parallel, tags_are_tokens)
+    return _lark_grammar(f"start: answer | calls\nanswer: %json {answer}\n{rules}")
+
+
+def _calls_rules(fmt: ToolCallFormat, tools: list[dict[str, Any]], choice: str, parallel: bool,
+                 tags_are_tokens: bool) -> str:
+    """Lark rules ``calls`` (one call, or one or more with ``parallel``) in the checkpoint's tool-call format, and
+    ``body``: a call's JSON, ``{"name": <one of the chosen tools>, "arguments": <its parameters' schema>}``."""
     names = [tool_function(t)["name"] for t in tools]
     if choice != "required" and choice not in names:
         raise GrammarError(f"tool_choice names `{choice}`, which is not among the session's tools {names}",
@@ -157,7 +179,10 @@ def tool_call_grammar(fmt: ToolCallFormat, tools: list[dict[str, Any]], choice: 
         opened, closed = ("<tool_call>", "</tool_call>") if tags_are_tokens else ('"<tool_call>"', '"</tool_call>"')
         call, sep = f'{opened} "\\n" body "\\n" {closed}', '"\\n"'
     repeat = f"({sep} {call})*" if parallel else ""
-    lark = f"start: {call} {repeat}\nbody: %json {body}\n"
+    return f"calls: {call} {repeat}\nbody: %json {body}\n"
+
+
+def _lark_grammar(lark: str) -> str:
     return _llguidance(lambda: llguidance.LLMatcher.grammar_from_lark(lark), "the tools' schemas cannot be compiled")
 
 

@@ -59,6 +59,35 @@ def test_forced_tool_calls_parse_and_validate(openai_client, choice, seed) -> No
         assert calls[0][0] == "calc"
 
 
+def test_a_response_format_beside_tools_leaves_them_callable(openai_client) -> None:
+    """openai-agents and pydantic-ai send an output type's schema with the agent's tools.  A forced call beside it was
+    a 400 (now the call, as vLLM answers it); with ``tool_choice`` auto the grammar was the schema's alone, so no tool
+    could ever be called (only ``{`` could start the reply).  Now the reply starts a call or the schema's JSON, and
+    either way validates; with ``tool_choice`` none it is the schema's JSON alone."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = openai_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                              response_format=fmt, parallel_tool_calls=False, max_tokens=300,
+                                              temperature=1.0, seed=1)
+    assert r.choices[0].finish_reason == "tool_calls" and len(_valid_calls(r.choices[0].message.tool_calls)) == 1
+
+    def first_tokens(**kw) -> set[str]:
+        r = openai_client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=1,
+                                                  logprobs=True, top_logprobs=20, **kw)
+        return {t.token for t in r.choices[0].logprobs.content[0].top_logprobs if t.logprob > -9999}  # -9999: masked
+
+    assert first_tokens(tools=TOOLS) == {"{", "<tool_call>"}
+    assert first_tokens(tools=TOOLS, tool_choice="none") == first_tokens() == {"{"}
+    for seed in (1, 2, 3, 4):
+        r = openai_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, response_format=fmt,
+                                                  parallel_tool_calls=False, max_tokens=300, temperature=1.0, seed=seed)
+        choice = r.choices[0]
+        if choice.finish_reason == "tool_calls":
+            assert choice.message.content is None and len(_valid_calls(choice.message.tool_calls)) == 1, seed
+        else:
+            assert choice.finish_reason == "stop" and not choice.message.tool_calls, (seed, choice)
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
 NODE = {"type": "object", "properties": {"v": {"enum": ["a", "b"]}, "next": {"anyOf": [{"$ref": "#/$defs/node"},
                                                                                     {"type": "null"}]}},
         "required": ["v", "next"], "additionalProperties": False}

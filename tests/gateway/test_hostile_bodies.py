@@ -304,8 +304,8 @@ def short(body: dict[str, Any], default: int | None) -> dict[str, Any]:
 
 def consistent(body: dict[str, Any]) -> dict[str, Any]:
     """A valid chat request: ``stream_options`` only when it streams, ``top_logprobs`` with ``logprobs``, a
-    ``tool_choice`` other than none or auto with tools (a named one among them) and without a ``response_format``
-    that constrains too, a ``json_schema`` response format with its ``json_schema``."""
+    ``tool_choice`` other than none or auto with tools (a named one among them), a ``json_schema`` response format
+    with its ``json_schema``."""
     if body.get("stream") is True:
         body.setdefault("stream_options", {"include_usage": True})
     if body.get("top_logprobs"):
@@ -318,8 +318,6 @@ def consistent(body: dict[str, Any]) -> dict[str, Any]:
             del body["tool_choice"]
         elif isinstance(choice, dict):
             choice["function"]["name"] = tools[0]["function"]["name"]
-        if "tool_choice" in body and fmt is not None and fmt["type"] != "text":
-            del body["response_format"]
     return body
 
 
