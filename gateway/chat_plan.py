@@ -12,12 +12,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from agentserve.gateway.backend import Backend
 from agentserve.gateway.conversations import chain
 from agentserve.gateway.errors import bad_request
 from agentserve.gateway.logprobs import chat_options
 from agentserve.gateway.messages import Canonical, Translated, translate
-from agentserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields, Tool, check_unsupported
+from agentserve.gateway.schemas import ChatCompletionRequest, SamplingFields, Tool, ToolChoiceObject, check_unsupported
 from agentserve.orchestrator.text.tool_formats import ToolCallFormat
 from agentserve.protocol.client_messages import Constraint, Message
 
@@ -115,7 +117,10 @@ def _check_tool_choice(req: ChatCompletionRequest, tools: list[dict[str, Any]]) 
         return
     if not tools:
         raise bad_request("tool_choice requires tools", param="tool_choice")
-    if isinstance(choice, NamedToolChoice):
+    if isinstance(choice, ToolChoiceObject):
+        if choice.function is None:
+            raise bad_request("a function tool_choice needs `function` with the function's name",
+                              param="tool_choice.function")
         names = [t["function"]["name"] for t in tools]
         if choice.function.name not in names:
             raise bad_request(f"tool_choice names `{choice.function.name}`, which is not among the tools {names}",
@@ -136,23 +141,43 @@ def constraint(req: ChatCompletionRequest) -> Constraint | None:
         given = fmt.json_schema.schema  # {} is any JSON value, as JSON Schema (and vLLM) read it; absent: an object
         schema = json.dumps({"type": "object"} if given is None else given, ensure_ascii=False)
     choice = req.tool_choice
-    forced = choice.function.name if isinstance(choice, NamedToolChoice) else choice if choice == "required" else ""
+    forced = choice.function.name if isinstance(choice, ToolChoiceObject) else choice if choice == "required" else ""
     if not schema and not forced:
         return None
     tool_choice = forced or ("auto" if req.tools and choice != "none" else "")  # auto: the schema's JSON, or calls
     # a named function is one call (as OpenAI and vLLM answer it); otherwise parallel unless told not to
-    parallel = not isinstance(choice, NamedToolChoice) and req.parallel_tool_calls is not False
+    parallel = not isinstance(choice, ToolChoiceObject) and req.parallel_tool_calls is not False
     return Constraint(json_schema=schema, tool_choice=tool_choice, parallel_tool_calls=parallel)
+
+
+def narrowed(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """An ``allowed_tools`` choice as the plain request it means: the allowed tools alone (the model is shown no other,
+    so calls no other), ``tool_choice`` its mode; any other request as it is."""
+    choice = req.tool_choice
+    if not isinstance(choice, ToolChoiceObject) or choice.type != "allowed_tools":
+        return req
+    if choice.allowed_tools is None or not choice.allowed_tools.tools:
+        raise bad_request("an allowed_tools tool_choice needs `allowed_tools` naming at least one tool",
+                          param="tool_choice.allowed_tools")
+    allowed = [t.function.name for t in choice.allowed_tools.tools]
+    given = [t.function.name for t in req.tools or []]
+    for name in allowed:
+        if name not in given:
+            raise bad_request(f"tool_choice allows `{name}`, which is not among the tools {given}",
+                              param="tool_choice.allowed_tools.tools")
+    tools = [t for t in req.tools or [] if t.function.name in allowed]
+    return msgspec.structs.replace(req, tools=tools, tool_choice=choice.allowed_tools.mode)
 
 
 def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
     _, welcome, tokenizer = backend.require()
     backend.check_model(req.model)
     translated = translate(req.messages)
-    tools = tool_dicts(req.tools)
-    names = [t["function"]["name"] for t in tools]
+    names = [t["function"]["name"] for t in tool_dicts(req.tools)]
     if len(set(names)) != len(names):
         raise bad_request("tool names must be unique", param="tools")
+    req = narrowed(req)
+    tools = tool_dicts(req.tools)
     _check_tool_choice(req, tools)
     named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     options = sampling_options(req, getattr(req, named), backend, named)

@@ -67,9 +67,23 @@ class NamedFunction(_Body):
     name: str
 
 
-class NamedToolChoice(_Body):
+class ToolRef(_Body):
     function: NamedFunction
     type: Literal["function"] = "function"
+
+
+class AllowedTools(_Body):
+    mode: Literal["auto", "required"]
+    tools: list[ToolRef]
+
+
+class ToolChoiceObject(_Body):
+    """``{"type": "function", "function": {"name": ...}}``: one call of that function; ``{"type": "allowed_tools",
+    "allowed_tools": {"mode": ..., "tools": [...]}}``: the request's tools narrowed to those, then ``mode``."""
+
+    function: NamedFunction | None = None
+    type: Literal["function", "allowed_tools"] = "function"
+    allowed_tools: AllowedTools | None = None
 
 
 class StreamOptions(_Body):
@@ -114,7 +128,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None

@@ -88,6 +88,37 @@ def test_a_response_format_beside_tools_leaves_them_callable(openai_client) -> N
             jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
+def _allowed(mode: str, *names: str) -> dict:
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+        {"type": "function", "function": {"name": n}} for n in names]}}
+
+
+def test_an_allowed_tools_choice_narrows_the_tools(openai_client) -> None:
+    """pydantic-ai sends it whenever a tool choice names two or more tools (a 400 before: an unknown type).  The model
+    is shown the allowed tools alone and ``mode`` applies to them: ``required`` calls one of them."""
+    for names in (("calc",), ("search", "calc")):
+        for seed in (1, 2):
+            r = openai_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=300,
+                                                      tool_choice=_allowed("required", *names),
+                                                      parallel_tool_calls=False, temperature=1.0, seed=seed)
+            assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+            assert [name for name, _ in _valid_calls(r.choices[0].message.tool_calls)][0] in names
+
+    def prompt_tokens(**kw) -> int:
+        return openai_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1, **kw).usage.prompt_tokens
+
+    only_calc = prompt_tokens(tools=TOOLS[1:])
+    assert prompt_tokens(tools=TOOLS, tool_choice=_allowed("auto", "calc")) == only_calc < prompt_tokens(tools=TOOLS)
+    for choice, param in ((_allowed("auto", "nope"), "tool_choice.allowed_tools.tools"),
+                          (_allowed("required"), "tool_choice.allowed_tools"),
+                          ({"type": "allowed_tools"}, "tool_choice.allowed_tools"),
+                          ({"type": "function"}, "tool_choice.function")):
+        with pytest.raises(openai.BadRequestError) as e:
+            openai_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                                  max_tokens=1)
+        assert e.value.body["param"] == param, choice
+
+
 NODE = {"type": "object", "properties": {"v": {"enum": ["a", "b"]}, "next": {"anyOf": [{"$ref": "#/$defs/node"},
                                                                                     {"type": "null"}]}},
         "required": ["v", "next"], "additionalProperties": False}
