@@ -19,7 +19,7 @@ from agentserve.orchestrator.text.grammar import (
     tool_call_grammar,
 )
 from agentserve.orchestrator.text.tokenization import Tokenizer
-from agentserve.protocol.client_messages import ErrorCode, ProtocolError, Turn
+from agentserve.protocol.client_messages import Constraint, ErrorCode, ProtocolError, Turn
 from agentserve.protocol.sampling import MAX_GRAMMAR_BYTES, SamplingParams
 
 UNCONSTRAINED_CHOICES = ("", "auto", "none")
@@ -32,7 +32,7 @@ def grammar_for(turn: Turn, tools: list[dict[str, Any]], tokenizer: Tokenizer, v
     schema shapes a reply's text, and a forced call has none (as vLLM and OpenAI answer it).  A schema with
     ``tool_choice`` ``auto`` and tools: the schema's JSON or calls of any tool; else the schema's JSON alone."""
     c = turn.constraint
-    forced = c is not None and c.tool_choice not in UNCONSTRAINED_CHOICES
+    forced = _forced(c)
     if c is None or (not c.json_schema and not forced):
         return ""
     if turn.token_ids:
@@ -71,4 +71,10 @@ def _param(turn: Turn, error: GrammarError) -> str:
     request's ``response_format``, forced tool calls compile the session's ``tools``)."""
     if error.param is not None:
         return error.param
-    return "response_format" if turn.constraint is not None and turn.constraint.json_schema else "tools"
+    c = turn.constraint
+    return "response_format" if c is not None and c.json_schema and not _forced(c) else "tools"
+
+
+def _forced(c: Constraint | None) -> bool:
+    """Whether ``c`` forces a call (``required`` or a tool's name): the tool-call grammar, whatever its schema."""
+    return c is not None and c.tool_choice not in UNCONSTRAINED_CHOICES
