@@ -33,7 +33,7 @@ class TurnOptions(TypedDict, total=False):
     seed: int | None
     stop: list[str]
     ignore_eos: bool
-    constraint: Constraint | None  # grammar-constrained output (JSON schema, forced tool calls)
+    constraint: Constraint | None  # grammar-constrained output (JSON schema, forced tool calls, or either)
     logprobs: bool  # each TokenIds event carries its tokens' logprobs
     top_logprobs: int  # ... and up to 20 most likely alternatives per token (needs logprobs)
 
