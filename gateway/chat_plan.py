@@ -127,10 +127,11 @@ def _check_tool_choice(req: ChatCompletionRequest, tools: list[dict[str, Any]]) 
                               param="tool_choice")
 
 
-def constraint(req: ChatCompletionRequest) -> Constraint | None:
+def constraint(req: ChatCompletionRequest, allowed: tuple[str, ...] = ()) -> Constraint | None:
     """The grammar a request asks for: ``response_format`` json_object / json_schema (or calls of its tools, where the
     model may call them), or a forced tool call (``tool_choice`` required or named: the call, whatever the
-    ``response_format``).  The orchestrator compiles it (a 400 if it cannot)."""
+    ``response_format``); ``allowed``: the tools a call may name (an ``allowed_tools`` choice; without a schema its
+    ``auto`` mode compiles no grammar, so it is not enforced).  The orchestrator compiles it (a 400 if it cannot)."""
     fmt = req.response_format
     schema = ""
     if fmt is not None and fmt.type == "json_object":
@@ -147,41 +148,40 @@ def constraint(req: ChatCompletionRequest) -> Constraint | None:
     tool_choice = forced or ("auto" if req.tools and choice != "none" else "")  # auto: the schema's JSON, or calls
     # a named function is one call (as OpenAI and vLLM answer it); otherwise parallel unless told not to
     parallel = not isinstance(choice, ToolChoiceObject) and req.parallel_tool_calls is not False
-    return Constraint(json_schema=schema, tool_choice=tool_choice, parallel_tool_calls=parallel)
+    return Constraint(json_schema=schema, tool_choice=tool_choice, parallel_tool_calls=parallel, allowed_tools=allowed)
 
 
-def narrowed(req: ChatCompletionRequest) -> ChatCompletionRequest:
-    """An ``allowed_tools`` choice as the plain request it means: the allowed tools alone (the model is shown no other,
-    so calls no other), ``tool_choice`` its mode; any other request as it is."""
+def allowed_tools_choice(req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, tuple[str, ...]]:
+    """An ``allowed_tools`` choice as its mode and the names a call may take (every tool stays in the prompt, as
+    OpenAI keeps them); any other request as it is, with no names."""
     choice = req.tool_choice
     if not isinstance(choice, ToolChoiceObject) or choice.type != "allowed_tools":
-        return req
+        return req, ()
     if choice.allowed_tools is None or not choice.allowed_tools.tools:
         raise bad_request("an allowed_tools tool_choice needs `allowed_tools` naming at least one tool",
                           param="tool_choice.allowed_tools")
-    allowed = [t.function.name for t in choice.allowed_tools.tools]
+    allowed = tuple(dict.fromkeys(t.function.name for t in choice.allowed_tools.tools))
     given = [t.function.name for t in req.tools or []]
     for name in allowed:
         if name not in given:
             raise bad_request(f"tool_choice allows `{name}`, which is not among the tools {given}",
                               param="tool_choice.allowed_tools.tools")
-    tools = [t for t in req.tools or [] if t.function.name in allowed]
-    return msgspec.structs.replace(req, tools=tools, tool_choice=choice.allowed_tools.mode)
+    return msgspec.structs.replace(req, tool_choice=choice.allowed_tools.mode), allowed
 
 
 def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
     _, welcome, tokenizer = backend.require()
     backend.check_model(req.model)
     translated = translate(req.messages)
-    names = [t["function"]["name"] for t in tool_dicts(req.tools)]
+    tools = tool_dicts(req.tools)
+    names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tool names must be unique", param="tools")
-    req = narrowed(req)
-    tools = tool_dicts(req.tools)
+    req, allowed = allowed_tools_choice(req)
     _check_tool_choice(req, tools)
     named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     options = sampling_options(req, getattr(req, named), backend, named)
-    options["constraint"] = constraint(req)
+    options["constraint"] = constraint(req, allowed)
     options |= chat_options(req.logprobs, req.top_logprobs)
     scan = bool(tools) and req.tool_choice != "none"
     seed = json.dumps([backend.model_name, tools], sort_keys=True).encode()

@@ -126,6 +126,7 @@ class Constraint(WireStruct, frozen=True):
     json_schema: str = ""
     tool_choice: str = ""
     parallel_tool_calls: bool = True
+    allowed_tools: tuple[str, ...] = ()  # the tools a call may name (all of the session's when empty)
 
 
 # ---- client → server ------------------------------------------------------------------------

@@ -88,14 +88,34 @@ def test_a_response_format_beside_tools_leaves_them_callable(openai_client) -> N
             jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
+def test_the_part_at_fault_is_named_whatever_it_sits_beside(openai_client) -> None:
+    """A tool schema llguidance cannot compile, beside a response_format, was blamed on response_format; a schema that
+    allows nothing, or does not compile, passed unseen beside tools (their calls kept the grammar non-empty, or a
+    forced call left the schema out)."""
+    bad_tool = [{"type": "function", "function": {"name": "c", "parameters": {
+        "type": "object", "properties": {"x": {"type": "foo"}}}}}]
+
+    def fmt(schema: dict) -> dict:
+        return {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}
+
+    for body, param in (({"tools": bad_tool, "response_format": {"type": "json_object"}}, "tools"),
+                        ({"tools": TOOLS, "response_format": fmt({"$ref": "#"})}, "response_format"),
+                        ({"tools": TOOLS, "tool_choice": "required", "response_format": fmt({"type": "foo"})},
+                         "response_format")):
+        with pytest.raises(openai.BadRequestError) as e:
+            openai_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=5, **body)
+        assert e.value.body["param"] == param, body
+
+
 def _allowed(mode: str, *names: str) -> dict:
     return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
         {"type": "function", "function": {"name": n}} for n in names]}}
 
 
-def test_an_allowed_tools_choice_narrows_the_tools(openai_client) -> None:
-    """pydantic-ai sends it whenever a tool choice names two or more tools (a 400 before: an unknown type).  The model
-    is shown the allowed tools alone and ``mode`` applies to them: ``required`` calls one of them."""
+def test_an_allowed_tools_choice_restricts_the_calls_not_the_prompt(openai_client) -> None:
+    """pydantic-ai sends it whenever a tool choice names two or more tools (a 400 before: an unknown type).  Every tool
+    stays in the prompt (as OpenAI keeps them: the conversation's next turn, with all tools, resumes it), and ``mode``
+    applies to the allowed ones: ``required`` calls one of them."""
     for names in (("calc",), ("search", "calc")):
         for seed in (1, 2):
             r = openai_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=300,
@@ -107,8 +127,15 @@ def test_an_allowed_tools_choice_narrows_the_tools(openai_client) -> None:
     def prompt_tokens(**kw) -> int:
         return openai_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1, **kw).usage.prompt_tokens
 
-    only_calc = prompt_tokens(tools=TOOLS[1:])
-    assert prompt_tokens(tools=TOOLS, tool_choice=_allowed("auto", "calc")) == only_calc < prompt_tokens(tools=TOOLS)
+    assert prompt_tokens(tools=TOOLS, tool_choice=_allowed("auto", "calc")) == prompt_tokens(tools=TOOLS)
+    first = openai_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=300, seed=5,
+                                                  tool_choice=_allowed("required", "calc"), parallel_tool_calls=False)
+    call = first.choices[0].message.tool_calls[0]
+    history = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    again = openai_client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=1)
+    held = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # the reply's last token is not yet cached
+    assert again.usage.prompt_tokens_details.cached_tokens >= held, "the next turn resumed the conversation"
     for choice, param in ((_allowed("auto", "nope"), "tool_choice.allowed_tools.tools"),
                           (_allowed("required"), "tool_choice.allowed_tools"),
                           ({"type": "allowed_tools"}, "tool_choice.allowed_tools"),

@@ -30,8 +30,11 @@ def endpoint(tmp_path_factory):
         ({"messages": "x", "constraint": Constraint(tool_choice="calc")}, InvalidRequest, "tools"),
         ({"messages": "x", "constraint": Constraint(tool_choice="nope")}, InvalidRequest, "tool_choice"),
         ({"messages": "x", "constraint": Constraint(json_schema="{}", tool_choice="calc")}, InvalidRequest, "tools"),
+        ({"messages": "x", "constraint": Constraint(tool_choice="required", allowed_tools=("nope",))}, InvalidRequest,
+         "tool_choice"),
     ],
-    ids=["chat-too-long", "raw-too-long", "vocabulary", "schema", "tool-schema", "tool-choice", "forced-beside-schema"],
+    ids=["chat-too-long", "raw-too-long", "vocabulary", "schema", "tool-schema", "tool-choice", "forced-beside-schema",
+         "allowed-unknown"],
 )
 def test_the_loops_refusals_name_the_field(endpoint, turn: dict, error: type[AgentServeError], param: str) -> None:
     with AgentClient(endpoint) as client, client.session(tools=TOOLS) as s:
