@@ -121,10 +121,15 @@ def _check_tool_choice(req: ChatCompletionRequest, tools: list[dict[str, Any]]) 
         if choice.function is None:
             raise bad_request("a function tool_choice needs `function` with the function's name",
                               param="tool_choice.function")
-        names = [t["function"]["name"] for t in tools]
-        if choice.function.name not in names:
-            raise bad_request(f"tool_choice names `{choice.function.name}`, which is not among the tools {names}",
-                              param="tool_choice")
+        _require_known([choice.function.name], tools, "names", "tool_choice")
+
+
+def _require_known(names: list[str] | tuple[str, ...], tools: list[dict[str, Any]], how: str, param: str) -> None:
+    """A 400 on ``param`` for the first of ``names`` that no tool has ("tool_choice ``how`` `x`, which is not ...")."""
+    known = [t["function"]["name"] for t in tools]
+    for name in names:
+        if name not in known:
+            raise bad_request(f"tool_choice {how} `{name}`, which is not among the tools {known}", param=param)
 
 
 def constraint(req: ChatCompletionRequest, allowed: tuple[str, ...] = ()) -> Constraint | None:
@@ -151,7 +156,8 @@ def constraint(req: ChatCompletionRequest, allowed: tuple[str, ...] = ()) -> Con
     return Constraint(json_schema=schema, tool_choice=tool_choice, parallel_tool_calls=parallel, allowed_tools=allowed)
 
 
-def allowed_tools_choice(req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, tuple[str, ...]]:
+def allowed_tools_choice(req: ChatCompletionRequest,
+                         tools: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, tuple[str, ...]]:
     """An ``allowed_tools`` choice as its mode and the names a call may take (every tool stays in the prompt, as
     OpenAI keeps them); any other request as it is, with no names."""
     choice = req.tool_choice
@@ -161,11 +167,7 @@ def allowed_tools_choice(req: ChatCompletionRequest) -> tuple[ChatCompletionRequ
         raise bad_request("an allowed_tools tool_choice needs `allowed_tools` naming at least one tool",
                           param="tool_choice.allowed_tools")
     allowed = tuple(dict.fromkeys(t.function.name for t in choice.allowed_tools.tools))
-    given = [t.function.name for t in req.tools or []]
-    for name in allowed:
-        if name not in given:
-            raise bad_request(f"tool_choice allows `{name}`, which is not among the tools {given}",
-                              param="tool_choice.allowed_tools.tools")
+    _require_known(allowed, tools, "allows", "tool_choice.allowed_tools.tools")
     return msgspec.structs.replace(req, tool_choice=choice.allowed_tools.mode), allowed
 
 
@@ -177,7 +179,7 @@ def plan_chat(req: ChatCompletionRequest, backend: Backend) -> ChatPlan:
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tool names must be unique", param="tools")
-    req, allowed = allowed_tools_choice(req)
+    req, allowed = allowed_tools_choice(req, tools)
     _check_tool_choice(req, tools)
     named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     options = sampling_options(req, getattr(req, named), backend, named)
