@@ -174,6 +174,15 @@ def input_dtype(linear: Linear) -> torch.dtype | None:
     return torch.bfloat16 if isinstance(linear, HybridLinear) and bf16_forward() else None
 
 
+def residual_product(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)``'s values for a residual add: left in bf16 where this forward multiplies every row of a bias-less
+    hybrid matrix in bf16 (the product's values are bf16 already, and the add widens them exactly as it reads them,
+    where widening first would write and read an fp32 copy), else ``linear(x)``."""
+    if isinstance(linear, HybridLinear) and linear.bias is None and bf16_forward():
+        return linear.bf16_product(x)
+    return linear(x)
+
+
 def gated_mlp(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:
     """``down(silu(gate) * up)`` on a fused gate/up projection.
 
@@ -187,8 +196,8 @@ def gated_mlp(gate_up: Linear, down: Linear, h: torch.Tensor) -> torch.Tensor:
     if split is None or not hybrid or gate_up.bias is not None or down.bias is not None:
         return down(silu_mul(gate_up(h)))
     rows, _ = split
-    if rows is ALL_ROWS:
-        return down.bf16_product(silu_mul(gate_up.bf16_product(h))).float()
+    if rows is ALL_ROWS:  # left in bf16 for the residual add (:func:`residual_product`)
+        return down.bf16_product(silu_mul(gate_up.bf16_product(h)))
     y = gate_up(h)  # the bf16 rows hold bf16 values: converting them back is exact
     act = silu_mul(y)
     act[rows] = silu_mul(y[rows].to(torch.bfloat16)).float()

@@ -24,6 +24,7 @@ from agentserve.executor.linear import (
     gated_mlp,
     input_dtype,
     make_linear,
+    residual_product,
 )
 
 
@@ -141,15 +142,17 @@ class DecoderModel:
         cache: KVCache,
         backend: AttentionBackend,
         meta: object,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, ``[T, hidden]``, for flat ``input_ids``/``positions`` ([T])."""
+        """Hidden states after the final norm, ``[T, hidden]``, for flat ``input_ids``/``positions`` ([T]); with
+        ``rows``, only those rows' (the final norm is row-wise: the same values, the other rows not normalized)."""
         x = F.embedding(input_ids, self.embed).to(self.dtype)
         cos, sin = self.rotary.tables(positions)
         eps = self.config.rms_norm_eps
         for i, layer in enumerate(self.layers):
             if i:
                 between_layers()  # a preempting step may run here, once this forward has done a layer
-            x = x + self._attention(
+            x += self._attention(
                 layer,
                 rms_norm(x, layer.input_norm, eps, input_dtype(layer.qkv)),
                 cos,
@@ -160,8 +163,8 @@ class DecoderModel:
                 meta,
             )
             h = rms_norm(x, layer.post_norm, eps, input_dtype(layer.gate_up))
-            x = x + gated_mlp(layer.gate_up, layer.down, h)
-        return rms_norm(x, self.norm, eps)
+            x += gated_mlp(layer.gate_up, layer.down, h)
+        return rms_norm(x if rows is None else x[rows], self.norm, eps)
 
     def _attention(
         self,
@@ -186,7 +189,7 @@ class DecoderModel:
         out = backend.forward(q, k, v.view(t, c.num_kv_heads, c.head_dim), k_cache, v_cache, meta)
         if out.dtype != self.dtype and input_dtype(layer.o) is None:  # bf16 (bf16_forward) for a matrix that widens
             out = out.to(self.dtype)
-        return layer.o(out)
+        return residual_product(layer.o, out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``: no row in bf16, whatever forward of this

@@ -379,12 +379,12 @@ class ModelRunner(RunnerGraphs):
             False, lens, [c.start_pos for c in chunks], [c.block_table for c in chunks], slots
         )
         hybrid = "hybrid" in self.model.weight_formats  # the only matrices (and attention) that read the rows
+        last = None if all_logits else (torch.tensor(lens).cumsum(0) - 1).to(self.device)
         with bf16_rows(*(prefill_rows(lens) if hybrid else (None, None))):
-            hidden = self._forward(ids, positions, batch)
+            hidden = self._forward(ids, positions, batch, last)
         if all_logits:
             return list(self.model.logits(hidden).split(lens))
-        last = torch.tensor(lens).cumsum(0) - 1
-        return self.model.logits(hidden[last.to(self.device)])
+        return self.model.logits(hidden)
 
     @torch.inference_mode()
     def decode(self, items: list[DecodeItem], rung: int | None = None,
@@ -418,10 +418,11 @@ class ModelRunner(RunnerGraphs):
             return self.model.logits(hidden)
         return self.model.logits(self._forward(ids, positions, batch))
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
         meta = self.attention.plan(batch)
         ids, positions = ids.to(self.device, non_blocking=True), positions.to(self.device, non_blocking=True)
-        return self.model.forward(ids, positions, self.kv_cache, self.attention, meta)
+        return self.model.forward(ids, positions, self.kv_cache, self.attention, meta, rows)
 
     def _slots(self, table: list[int], start: int, n: int) -> torch.Tensor:
         pos = torch.arange(start, start + n)

@@ -44,6 +44,7 @@ from agentserve.executor.linear import (
     fp16_packing_available,
     gated_mlp,
     onednn_blocking_available,
+    residual_product,
 )
 from agentserve.executor.runner import DecodeItem, ModelRunner, PrefillChunk, prefill_rows
 
@@ -251,12 +252,13 @@ def test_gated_mlp_keeps_bf16_rows_in_bf16_between_its_products(rows):
     with bf16_rows(ALL_ROWS):
         got = gated_mlp(gate_up, down, x)
         through_fp32 = down(silu_mul(gate_up(x)))
+        bf16_half = gated_mlp(gate_up, down, x[torch.arange(rows) % 2 == 0])
+    assert got.dtype == bf16_half.dtype == torch.bfloat16  # left for the residual add, which widens it exactly
+    got, bf16_half = got.float(), bf16_half.float()
     assert torch.equal(got, ref) and not torch.equal(got, through_fp32)  # SwiGLU's bf16 rounding is visible
     half = torch.arange(rows) % 2 == 0
     with bf16_rows(half.nonzero().squeeze(1), (~half).nonzero().squeeze(1)):
         mixed = gated_mlp(gate_up, down, x)
-    with bf16_rows(ALL_ROWS):
-        bf16_half = gated_mlp(gate_up, down, x[half])
     packed_half = down(silu_mul(gate_up(x[~half])))
     assert torch.equal(mixed[half], bf16_half) and torch.equal(mixed[~half], packed_half)
     assert torch.allclose(mixed[half], got[half], rtol=2**-6, atol=2**-6 * ref.abs().max().item())
@@ -264,6 +266,26 @@ def test_gated_mlp_keeps_bf16_rows_in_bf16_between_its_products(rows):
     biased = HybridLinear(wgu, torch.randn(2 * 48, generator=g))
     with bf16_rows(ALL_ROWS):
         assert torch.equal(gated_mlp(biased, down, x), down(silu_mul(biased(x))))
+
+
+@needs_fbgemm
+def test_a_residual_product_is_left_in_bf16_only_where_its_values_are_bf16():
+    """Every row in bf16 on a bias-less hybrid matrix: the bf16 product itself (what ``linear`` widens); with a bias,
+    rows named among others, none named, or a dense matrix: ``linear(x)``; a residual added in place widens it to the
+    same bits as adding ``linear(x)``."""
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(24, 40, generator=g).bfloat16().float(), torch.randn(9, 40, generator=g)
+    residual = torch.randn(9, 24, generator=g)
+    plain, biased, dense = HybridLinear(w, None), HybridLinear(w, torch.randn(24, generator=g)), DenseLinear(w, None)
+    with bf16_rows(ALL_ROWS):
+        got = residual_product(plain, x)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.float(), plain(x))
+        assert torch.equal(residual.clone().add_(got), residual + plain(x))
+        for other in (biased, dense):
+            assert torch.equal(residual_product(other, x), other(x)) and residual_product(other, x).dtype == F32
+    with bf16_rows(torch.tensor([0, 2]), torch.tensor([1, 3, 4, 5, 6, 7, 8])):
+        assert torch.equal(residual_product(plain, x), plain(x))
+    assert torch.equal(residual_product(plain, x), plain(x)) and residual_product(plain, x).dtype == F32
 
 
 @needs_fbgemm
