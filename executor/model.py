@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from agentserve.executor.attention import AttentionBackend
 from agentserve.executor.checkpoint import ModelConfig
 from agentserve.executor.errors import CheckpointError
+from agentserve.executor.fused.prefill_qkv import PrefillQkv
 from agentserve.executor.kv_cache import KVCache
 from agentserve.executor.layer_hook import between_layers
 from agentserve.executor.layers import Rotary, rms_norm
@@ -19,6 +20,7 @@ from agentserve.executor.linear import (
     DenseLinear,
     HybridLinear,
     Linear,
+    bf16_forward,
     bf16_rows,
     choose_format,
     gated_mlp,
@@ -98,6 +100,7 @@ class DecoderModel:
         self.norm = w.take("model.norm.weight", (c.hidden_size,))
         self.weight_formats = sorted(w.formats)
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)
+        self.prefill_qkv: PrefillQkv | None = None  # the runner gives it where steps can take it (_fused_qkv_runs)
 
     def _embedding_and_head(self, w: _Weights) -> tuple[torch.Tensor, Linear]:
         """The lookup table and the lm_head.  The table is shared with a dense tied head; otherwise it is
@@ -178,18 +181,32 @@ class DecoderModel:
         meta: object,
     ) -> torch.Tensor:
         c, t = self.config, h.shape[0]
-        q, k, v = layer.qkv(h).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(t, c.num_heads, c.head_dim)
-        k = k.view(t, c.num_kv_heads, c.head_dim)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        q = self.rotary.apply(q, cos, sin)
-        k = self.rotary.apply(k, cos, sin)
-        out = backend.forward(q, k, v.view(t, c.num_kv_heads, c.head_dim), k_cache, v_cache, meta)
+        if self._fused_qkv_runs(layer, k_cache, backend, meta):  # bitwise the passes below and the backend's casts
+            q, k, v = self.prefill_qkv(layer.qkv.bf16_product(h), layer.qkv.bias, cos.squeeze(1), sin.squeeze(1),
+                                       c.num_heads, c.num_kv_heads, torch.get_num_threads())
+        else:
+            q, k, v = layer.qkv(h).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = q.view(t, c.num_heads, c.head_dim)
+            k = k.view(t, c.num_kv_heads, c.head_dim)
+            v = v.view(t, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
+            q = self.rotary.apply(q, cos, sin)
+            k = self.rotary.apply(k, cos, sin)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta)
         if out.dtype != self.dtype and input_dtype(layer.o) is None:  # bf16 (bf16_forward) for a matrix that widens
             out = out.to(self.dtype)
         return residual_product(layer.o, out)
+
+    def _fused_qkv_runs(self, layer: Layer, k_cache: torch.Tensor, backend: AttentionBackend, meta: object) -> bool:
+        """Whether this layer's q (bf16), k and v (fp16) come from :mod:`.fused.prefill_qkv` in one pass: where this
+        forward multiplies every row of a hybrid qkv matrix in bf16 (its product is bf16 values), the backend attends
+        every query row in bf16 and the cache is fp16.  Not with q/k norms (Qwen3), which sit between the product and
+        the rotary."""
+        return (self.prefill_qkv is not None and layer.q_norm is None and isinstance(layer.qkv, HybridLinear)
+                and bf16_forward() and k_cache.dtype == torch.float16
+                and backend.prefill_query_dtype(meta) == torch.bfloat16)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``: no row in bf16, whatever forward of this

@@ -19,7 +19,9 @@ from agentserve.executor.attention.cpu_kernel import PagedDecodeKernel
 from agentserve.executor.attention.cpu_prefill import PagedPrefillKernel
 from agentserve.executor.checkpoint import ModelConfig, load_config, load_weights
 from agentserve.executor.errors import EngineError, InvalidRequestError, PromptTooLongError
+from agentserve.executor.fused import prefill_qkv
 from agentserve.executor.fused.helper import DECODE_HELPER_SETTINGS, DecodeHelper
+from agentserve.executor.fused.prefill_qkv import PrefillQkv
 from agentserve.executor.fused.step import MATRICES as FUSED_MATRICES
 from agentserve.executor.fused.step import FusedDecodeStep
 from agentserve.executor.fused.step import why_not as fused_why_not
@@ -191,6 +193,7 @@ class ModelRunner(RunnerGraphs):
             self.dtype, self.kv_dtype, prefill_attention, "hybrid" in self.model.weight_formats,
         )
         self.fused_decode = self._fused_decode(decode_step)
+        self.model.prefill_qkv = self._prefill_qkv()
         self.blocked_bytes = self._block_bf16_products()
         if decode_helper not in DECODE_HELPER_SETTINGS:
             raise EngineError(f"unknown decode_helper {decode_helper!r}; use {', '.join(DECODE_HELPER_SETTINGS)}")
@@ -229,6 +232,17 @@ class ModelRunner(RunnerGraphs):
         step = FusedDecodeStep(kernel, self.model, self.block_size)
         log.info("decode step: fused C (%.1f MiB of fp16 matrices added)", step.bytes_added / 2**20)
         return step
+
+    def _prefill_qkv(self) -> PrefillQkv | None:
+        """The compiled q/k/v pass of prefill steps (:mod:`.fused.prefill_qkv`) where they can take it: hybrid matrices,
+        PyTorch's bf16 prefill attention, an fp16 cache (``DecoderModel._fused_qkv_runs`` checks each step)."""
+        bf16_attention = getattr(self.attention, "prefill_dtype", None) == torch.bfloat16
+        if "hybrid" not in self.model.weight_formats or not bf16_attention or self.kv_dtype != torch.float16:
+            return None
+        kernel = prefill_qkv.load()
+        log.info("bf16 prefill q/k/v: %s", "one compiled pass" if kernel
+                 else "PyTorch's passes (the CPU library is unavailable or has no F16C)")
+        return kernel
 
     def _layer_matrices(self) -> list[Linear]:
         return [getattr(layer, name) for layer in self.model.layers for name in FUSED_MATRICES]

@@ -63,6 +63,11 @@ class AttentionBackend(ABC):
         Returns ``[T, heads * head_dim]``.
         """
 
+    def prefill_query_dtype(self, meta: Any) -> torch.dtype | None:
+        """The dtype this plan's queries are all attended in, where :meth:`forward` rounds every query row to one
+        (handing them over rounded gives the same result, one pass fewer); ``None``: attended as given."""
+        return None
+
     def warmup_batches(self, num_blocks: int) -> list[AttentionBatch]:
         """One batch of each kind a step can be, in the first blocks of the cache (identity tables, so a
         position's slot is the position): a decode, a prefill after a cached prefix, and, where the cache

@@ -31,36 +31,17 @@ int gather_bf16_available(void) {
 }
 
 #if defined(__F16C__)
-static inline uint16_t bf16_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#include "../kernels/bf16_round.h"
 
 static void convert(const uint16_t *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512F__)
-    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0xffff);
-    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-    for (; i + 16 <= n; i += 16) {
-        __m512i u = _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
-        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), odd), 16);
-        r = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(_mm512_and_si512(u, magnitude), inf), r, nan);
-        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(r));
-    }
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            bf16_of16(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i)))));
 #elif defined(__AVX2__)
-    const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), nan = _mm256_set1_epi32(0xffff);
-    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
-    for (; i + 8 <= n; i += 8) {
-        __m256i u = _mm256_castps_si256(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), odd), 16);
-        r = _mm256_blendv_epi8(r, nan, _mm256_cmpgt_epi32(_mm256_and_si256(u, magnitude), inf));
-        _mm_storeu_si128((__m128i *)(dst + i),  // every lane fits 16 bits: the unsigned saturation never acts
-                         _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-    }
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), bf16_of8(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i)))));
 #endif
     for (; i < n; i++) dst[i] = bf16_of(_cvtsh_ss(src[i]));
 }

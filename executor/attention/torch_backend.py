@@ -289,9 +289,16 @@ class TorchAttention(AttentionBackend):
         """q's dtype; bf16 where every chunk is attended on bf16 copies in a forward that multiplies every row in
         bf16 (:func:`.linear.bf16_forward`): the o-projection rounds the result to bf16 anyway, and neither a widened
         copy nor its rounding again is made."""
-        if self.prefill_dtype != torch.bfloat16 or meta.decode is not None or any(c.kernel for c in meta.chunks):
+        if self.prefill_query_dtype(meta) != torch.bfloat16:
             return q.dtype
         return torch.bfloat16 if bf16_forward() else q.dtype
+
+    def prefill_query_dtype(self, meta: _PrefillPlan | _DecodePlan) -> torch.dtype | None:
+        """``prefill_dtype`` for a CPU prefill plan of chunks all attended by PyTorch (no decode rows, no kernel)."""
+        if (not isinstance(meta, _PrefillPlan) or self.sdpa_prefill or meta.decode is not None
+                or any(c.kernel for c in meta.chunks)):
+            return None
+        return self.prefill_dtype
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: _DecodePlan) -> torch.Tensor:

@@ -7,7 +7,8 @@ system C compiler into one shared object (``paged_decode.so``), then loaded thro
 wrappers (:class:`~agentserve.executor.attention.cpu_kernel.PagedDecodeKernel`,
 :class:`~agentserve.executor.fused.step.FusedDecodeStep`,
 :class:`~agentserve.executor.attention.cpu_prefill.PagedPrefillKernel`,
-:class:`~agentserve.executor.attention.cpu_gather.Bf16Gather`, :mod:`~agentserve.executor.partition.omp_team`).
+:class:`~agentserve.executor.attention.cpu_gather.Bf16Gather`,
+:class:`~agentserve.executor.fused.prefill_qkv.PrefillQkv`, :mod:`~agentserve.executor.partition.omp_team`).
 
 The sources are plain C (no PyTorch headers), so they build in about a second.  The shared object is cached
 under ``<cache>/<hash>/``: the hash covers the sources, the compiler's version, the flags, the CPU's feature
@@ -41,15 +42,18 @@ _EXECUTOR = Path(__file__).parents[1]
 SOURCES = (_EXECUTOR / "attention" / "paged_decode.c", _EXECUTOR / "fused" / "decode_step.c",
            _EXECUTOR / "fused" / "helper.c", _EXECUTOR / "attention" / "paged_prefill.c",
            _EXECUTOR / "attention" / "paged_prefill_fp32.c", _EXECUTOR / "attention" / "gather_bf16.c",
-           _EXECUTOR / "partition" / "omp_team.c")
+           _EXECUTOR / "fused" / "prefill_qkv.c", _EXECUTOR / "partition" / "omp_team.c")
 HEADERS = (_EXECUTOR / "attention" / "paged_prefill.h", _EXECUTOR / "attention" / "simd_math.h",
-           _EXECUTOR / "fused" / "helper.h")  # included: in the key
+           _EXECUTOR / "fused" / "helper.h", _EXECUTOR / "kernels" / "bf16_round.h")  # included: in the key
 LIBRARY = "paged_decode.so"  # the file name inside its cache folder
 # -ffast-math (vectorised expf, reassociated sums) only when compiling: on the link line gcc would add
 # crtfastmath.o, which flushes subnormals to zero for the whole process as soon as the library loads.
 COMPILE = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-c")
 LINK = ("-shared",)
 OPENMP = "-fopenmp"  # dropped when the compiler has no OpenMP: the library then runs on one thread
+# sources whose results must be bitwise PyTorch's: IEEE arithmetic, every product and sum rounded on its own
+EXACT = ("-fno-fast-math", "-ffp-contract=off")
+SOURCE_FLAGS = {_EXECUTOR / "fused" / "prefill_qkv.c": EXACT}
 DIR_ENV = "AGENTSERVE_KERNEL_DIR"
 CFLAGS_ENV = "AGENTSERVE_KERNEL_CFLAGS"  # extra compile-only flags, e.g. -mno-avx512f for the AVX2 build (tests)
 
@@ -98,7 +102,8 @@ def _build(cc: str, flags: tuple[str, ...], out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs, lib = [Path(tmp) / f"{src.stem}.o" for src in SOURCES], Path(tmp) / LIBRARY
         for extra in ((OPENMP,), ()):
-            error = next(filter(None, (_run([cc, *COMPILE, *flags, *extra, str(src), "-o", str(obj)])
+            error = next(filter(None, (_run([cc, *COMPILE, *flags, *SOURCE_FLAGS.get(src, ()), *extra, str(src),
+                                             "-o", str(obj)])
                                        for src, obj in zip(SOURCES, objs, strict=True))), None)
             error = error or _run([cc, *LINK, *extra, *map(str, objs), "-o", str(lib), "-lm"])
             if error is None:
@@ -162,7 +167,8 @@ def _library() -> ctypes.CDLL | None:
         flags = extra_flags()  # read once: the key and the build must agree
         key = hashlib.sha256(
             "\0".join([*(src.read_text() for src in (*SOURCES, *HEADERS)), _version(cc), *COMPILE, *flags, *LINK,
-                       OPENMP, _cpu_flags(), *platform.libc_ver()]).encode()
+                       OPENMP, *(f"{src.name}: {' '.join(f)}" for src, f in SOURCE_FLAGS.items()), _cpu_flags(),
+                       *platform.libc_ver()]).encode()
         ).hexdigest()[:16]
         path = cache_dir() / key / LIBRARY
         if not path.exists():

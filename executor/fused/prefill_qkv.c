@@ -1,0 +1,121 @@
+/* A prefill step's queries, keys and values from its qkv product, in one pass: bias, rotary embedding and the
+ * casts the attention and the KV cache want (hybrid matrices on CPUs with native bf16, where every row of the step
+ * is multiplied in bf16 and attended by PyTorch's bf16 flash attention over an fp16 cache).
+ *
+ * In PyTorch the same takes a widening pass over the product, a bias pass, the rotary's five passes (x * cos,
+ * negate, concatenate, * sin, add) on q and on k, and three casts (q to bf16, k and v to fp16).  Here each row is
+ * read once and written once, with the same arithmetic in the same order, so every output is bitwise PyTorch's:
+ *   x       = float(y) + bias                    (fp32; no bias: float(y), exact)
+ *   rot[i]  = x[i] * cos[i] - x[i + h] * sin[i]        i < h = dim / 2   (x * cos + (-x2) * sin)
+ *   rot[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h]               (x * cos + x1 * sin)
+ *   q = bf16(rot_q), k = fp16(rot_k), v = fp16(x_v)   (to nearest, ties to even)
+ * each product and sum rounded to fp32 on its own: this file is compiled without -ffast-math and with
+ * -ffp-contract=off (kernels/build.py), so no product is fused into an FMA.
+ *
+ * Layouts (all contiguous):
+ *   y      [rows, (heads + 2 * kv_heads) * dim]  bf16 bits: the q, k, v columns of each row
+ *   bias   [(heads + 2 * kv_heads) * dim]        fp32, or NULL
+ *   cos, sin [rows, dim]                         fp32: each row's position's tables
+ *   q      [rows, heads * dim]                   bf16 bits
+ *   k, v   [rows, kv_heads * dim]                fp16 bits
+ * Rows are split over `threads` OpenMP threads.  Returns 0; -2 where the build has no F16C
+ * (prefill_qkv_available() says so); -3 for an odd or too large dim.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+
+#include "../kernels/bf16_round.h"
+#endif
+
+#define MAX_DIM 1024
+
+int prefill_qkv_available(void) {
+#if defined(__F16C__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__F16C__)
+/* x[i] = float(y[i]) + bias[i] (bias may be NULL). */
+static void widen(const uint16_t *restrict y, const float *restrict bias, float *restrict x, int n) {
+    for (int i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)y[i] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        x[i] = bias ? f + bias[i] : f;
+    }
+}
+
+static void rotate(const float *restrict x, const float *restrict cos, const float *restrict sin, float *restrict out,
+                   int dim) {
+    const int h = dim / 2;
+    for (int i = 0; i < h; i++) {
+        const float a = x[i] * cos[i], b = x[i + h] * sin[i];
+        out[i] = a - b;
+    }
+    for (int i = 0; i < h; i++) {
+        const float a = x[i + h] * cos[i + h], b = x[i] * sin[i + h];
+        out[i + h] = a + b;
+    }
+}
+
+static void store_bf16(const float *restrict x, uint16_t *restrict dst, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i *)(dst + i), bf16_of16(_mm512_loadu_ps(x + i)));
+#elif defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(dst + i), bf16_of8(_mm256_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) dst[i] = bf16_of(x[i]);
+}
+
+static void store_fp16(const float *restrict x, uint16_t *restrict dst, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) dst[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* Heads [0, n) of one row: widened from y (+ bias), rotated unless cos is NULL, stored as bf16 or fp16. */
+static void heads_of(const uint16_t *y, const float *bias, const float *cos, const float *sin, int n, int dim,
+                     int to_bf16, uint16_t *dst) {
+    float x[MAX_DIM], rot[MAX_DIM];
+    for (int hd = 0; hd < n; hd++) {
+        const int64_t at = (int64_t)hd * dim;
+        widen(y + at, bias ? bias + at : NULL, x, dim);
+        if (cos) rotate(x, cos, sin, rot, dim);
+        const float *out = cos ? rot : x;
+        if (to_bf16)
+            store_bf16(out, dst + at, dim);
+        else
+            store_fp16(out, dst + at, dim);
+    }
+}
+#endif
+
+int prefill_qkv(const uint16_t *y, const float *bias, const float *cos, const float *sin, int64_t rows, int heads,
+                int kv_heads, int dim, uint16_t *q, uint16_t *k, uint16_t *v, int threads) {
+#if defined(__F16C__)
+    if (dim <= 0 || dim % 2 || dim > MAX_DIM) return -3;
+    const int64_t q_size = (int64_t)heads * dim, kv_size = (int64_t)kv_heads * dim, width = q_size + 2 * kv_size;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *yr = y + r * width;
+        const float *c = cos + r * dim, *s = sin + r * dim;
+        heads_of(yr, bias, c, s, heads, dim, 1, q + r * q_size);
+        heads_of(yr + q_size, bias ? bias + q_size : NULL, c, s, kv_heads, dim, 0, k + r * kv_size);
+        heads_of(yr + q_size + kv_size, bias ? bias + q_size + kv_size : NULL, NULL, NULL, kv_heads, dim, 0,
+                 v + r * kv_size);
+    }
+    return 0;
+#else
+    (void)y, (void)bias, (void)cos, (void)sin, (void)rows, (void)heads, (void)kv_heads, (void)dim, (void)q, (void)k;
+    (void)v, (void)threads;
+    return -2;
+#endif
+}

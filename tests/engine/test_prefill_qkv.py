@@ -1,0 +1,165 @@
+"""The compiled prefill q/k/v step (``fused/prefill_qkv.c``): a bf16 qkv product's rows to rotated bf16 queries and
+fp16 keys and values in one pass, bitwise what PyTorch's passes give (widen, bias, the model's rotary, casts) for
+random rows of any head layout, with and without a bias, on any thread count, and at the delicate values (bf16 ties,
+fp32 subnormals, values past fp16's range, NaN); also in the AVX2 build; bad arguments refused; and a hybrid runner's
+logits bitwise the same with it as without it, whole, resumed and batched, for every architecture case (Qwen3's q/k
+norms keep PyTorch's passes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from engine_helpers import random_prompts
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentserve.executor.fused import prefill_qkv
+from agentserve.executor.kernels import build
+from agentserve.executor.layers import Rotary
+from agentserve.executor.runner import ModelRunner, PrefillChunk
+
+KERNEL = prefill_qkv.load()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler with F16C builds the CPU library here")
+CPU = torch.device("cpu")
+
+
+def pytorch_passes(y: torch.Tensor, bias: torch.Tensor | None, rotary: Rotary, positions: torch.Tensor, heads: int,
+                   kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the model and the attention backend do without the kernel."""
+    t, dim = y.shape[0], rotary.cos.shape[-1]
+    x = y.float()
+    if bias is not None:
+        x = x.add_(bias)
+    q, k, v = x.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    cos, sin = rotary.tables(positions)
+    q = rotary.apply(q.view(t, heads, dim), cos, sin)
+    k = rotary.apply(k.reshape(t, kv_heads, dim), cos, sin)
+    return q.to(torch.bfloat16), k.to(torch.float16), v.reshape(t, kv_heads, dim).to(torch.float16)
+
+
+def through_kernel(y, bias, rotary, positions, heads, kv_heads, threads=1):
+    cos, sin = rotary.tables(positions)
+    return KERNEL(y, bias, cos.squeeze(1), sin.squeeze(1), heads, kv_heads, threads)
+
+
+def assert_same_bits(got, want) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        nan = w.isnan()
+        assert torch.equal(g.isnan(), nan)
+        assert torch.equal(g.view(torch.int16)[~nan], w.view(torch.int16)[~nan])
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
+       dim=st.sampled_from([2, 6, 16, 64, 80, 128]), with_bias=st.booleans(), threads=st.integers(1, 3),
+       start=st.integers(0, 3000), scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16))
+def test_random_rows_come_out_bitwise_as_pytorchs_passes(rows, kv_heads, group, dim, with_bias, threads, start, scale,
+                                                        seed):
+    g = torch.Generator().manual_seed(seed)
+    heads = kv_heads * group
+    width = (heads + 2 * kv_heads) * dim
+    y = (torch.randn(rows, width, generator=g) * scale).bfloat16()
+    bias = torch.randn(width, generator=g) * scale if with_bias else None
+    rotary = Rotary(dim, 10000.0, None, start + rows, torch.float32, CPU)
+    positions = torch.arange(start, start + rows)
+    assert_same_bits(through_kernel(y, bias, rotary, positions, heads, kv_heads, threads),
+                     pytorch_passes(y, bias, rotary, positions, heads, kv_heads))
+
+
+def delicate_rows(dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of one head each for q, k and v, full of values whose rounding is delicate, and a bias."""
+    values = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-126, -(2**-130), 3e-39, 65504.0, 65520.0,
+                           7e4, -1e30, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1 / 3, 2**-24, 2**-25])
+    y = values.repeat(-(-3 * dim * 4 // len(values)))[: 3 * dim * 4].view(4, 3 * dim).bfloat16()
+    bias = torch.tensor([2**-9, -(2**-9), 0.0, 1e-40] * (3 * dim // 4 + 1))[: 3 * dim]
+    return y, bias
+
+
+@pytest.mark.parametrize("dim", [16, 20])  # 16-wide vectors only; and a tail on either class
+def test_ties_subnormals_overflow_and_nan_come_out_as_pytorchs(dim):
+    y, bias = delicate_rows(dim)
+    rotary = Rotary(dim, 10000.0, None, 64, torch.float32, CPU)
+    positions = torch.tensor([0, 1, 17, 63])
+    for b in (bias, None):
+        assert_same_bits(through_kernel(y, b, rotary, positions, 1, 1), pytorch_passes(y, b, rotary, positions, 1, 1))
+
+
+def test_bad_arguments_are_refused():
+    y, cos = torch.zeros(3, 6 * 8, dtype=torch.bfloat16), torch.zeros(3, 8)
+    assert all(t.shape[0] == 3 for t in KERNEL(y, None, cos, cos, 4, 1))
+    with pytest.raises(ValueError, match="bf16"):
+        KERNEL(y.float(), None, cos, cos, 4, 1)
+    with pytest.raises(ValueError, match="heads"):
+        KERNEL(y, None, cos, cos, 2, 1)  # the width is not (heads + 2 * kv_heads) * D
+    with pytest.raises(ValueError, match="bias"):
+        KERNEL(y, torch.zeros(5), cos, cos, 4, 1)
+    with pytest.raises(ValueError, match="cos"):
+        KERNEL(y, None, cos[:2], cos[:2], 4, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        KERNEL(torch.zeros(3, 2 * 6 * 8, dtype=torch.bfloat16)[:, ::2], None, cos, cos, 4, 1)
+    with pytest.raises(ValueError, match="odd"):
+        KERNEL(torch.zeros(3, 6 * 7, dtype=torch.bfloat16), None, torch.zeros(3, 7), torch.zeros(3, 7), 4, 1)
+
+
+AVX2_CHECK = """
+import torch
+from agentserve.executor.fused import prefill_qkv
+from agentserve.executor.layers import Rotary
+kernel = prefill_qkv.load()
+g = torch.Generator().manual_seed(5)
+heads, kv, dim, rows = 6, 2, 40, 300
+y = torch.randn(rows, (heads + 2 * kv) * dim, generator=g).bfloat16()
+bias = torch.randn((heads + 2 * kv) * dim, generator=g)
+rotary = Rotary(dim, 10000.0, None, 400, torch.float32, torch.device("cpu"))
+cos, sin = rotary.tables(torch.arange(50, 50 + rows))
+x = y.float().add_(bias)
+q, k, v = x.split([heads * dim, kv * dim, kv * dim], dim=-1)
+want = (rotary.apply(q.view(rows, heads, dim), cos, sin).to(torch.bfloat16),
+        rotary.apply(k.reshape(rows, kv, dim), cos, sin).to(torch.float16), v.reshape(rows, kv, dim).to(torch.float16))
+got = kernel(y, bias, cos.squeeze(1), sin.squeeze(1), heads, kv, 2)
+print(all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, want)))
+"""
+
+
+def test_the_avx2_build_comes_out_as_pytorchs_passes(tmp_path):
+    """The AVX2-only class (8-wide bf16 rounding, no AVX-512), checked on either class: a build with ``-mno-avx512f``
+    in a fresh cache and process."""
+    env = {**os.environ, build.DIR_ENV: str(tmp_path), build.CFLAGS_ENV: "-mno-avx512f"}
+    done = subprocess.run([sys.executable, "-c", AVX2_CHECK], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+def hybrid_runner(path) -> ModelRunner:
+    return ModelRunner(path, dtype="float32", device="cpu", num_blocks=96, weights="hybrid",
+                       prefill_attention="torch-bf16", kv_cache_dtype="float16")
+
+
+def test_a_hybrid_runner_gives_the_same_logits_with_it_as_without(case, bf16_paths, monkeypatch):
+    """A prefill from nothing, a resume after it batched with a second sequence's chunk, and a mixed step with a
+    riding decode (where the backend attends decode rows in fp32, so the kernel is not used), with the kernel and with
+    PyTorch's passes: bitwise the same logits; the kernel ran for every layer of the all-prefill steps except under
+    Qwen3's q/k norms."""
+    runner = hybrid_runner(bf16_paths[case.name])
+    kernel = runner.model.prefill_qkv  # the loaded library's (another test may have had it loaded anew)
+    assert isinstance(kernel, prefill_qkv.PrefillQkv)
+    calls = []
+    counted = lambda *args: calls.append(1) or kernel(*args)  # noqa: E731
+    first, second, third = random_prompts([70, 23, 30], seed=3)
+    steps = [[PrefillChunk(first, 0, list(range(5)))],
+             [PrefillChunk(second, 70, list(range(6))), PrefillChunk(third, 0, list(range(10, 12)))],
+             [PrefillChunk(third[:5], 30, list(range(10, 13))), PrefillChunk([7], 93, list(range(6)))]]
+    outs = {}
+    for step_kernel in (counted, None):
+        monkeypatch.setattr(runner.model, "prefill_qkv", step_kernel)
+        runner.kv_cache = runner._new_cache(runner.num_blocks)
+        outs[step_kernel is None] = [runner.prefill(s, all_logits=True) for s in steps]
+    for with_it, without in zip(outs[False], outs[True], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(with_it, without, strict=True))
+    layers = len(runner.model.layers)
+    assert len(calls) == (0 if case.name.startswith("qwen3") else 2 * layers)
