@@ -100,7 +100,7 @@ class DecoderModel:
         self.norm = w.take("model.norm.weight", (c.hidden_size,))
         self.weight_formats = sorted(w.formats)
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)
-        self.prefill_qkv: PrefillQkv | None = None  # the runner gives it where steps can take it (_fused_qkv_runs)
+        self.prefill_qkv: PrefillQkv | None = None  # the runner gives it where steps can take it (_fused_qkv_queries)
 
     def _embedding_and_head(self, w: _Weights) -> tuple[torch.Tensor, Linear]:
         """The lookup table and the lm_head.  The table is shared with a dense tied head; otherwise it is
@@ -181,9 +181,10 @@ class DecoderModel:
         meta: object,
     ) -> torch.Tensor:
         c, t = self.config, h.shape[0]
-        if self._fused_qkv_runs(layer, k_cache, backend, meta):  # bitwise the passes below and the backend's casts
+        queries = self._fused_qkv_queries(layer, k_cache, backend, meta)
+        if queries is not None:  # bitwise the passes below and the backend's casts
             q, k, v = self.prefill_qkv(layer.qkv.bf16_product(h), layer.qkv.bias, cos.squeeze(1), sin.squeeze(1),
-                                       c.num_heads, c.num_kv_heads, torch.get_num_threads())
+                                       c.num_heads, c.num_kv_heads, torch.get_num_threads(), queries)
         else:
             q, k, v = layer.qkv(h).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = q.view(t, c.num_heads, c.head_dim)
@@ -199,14 +200,18 @@ class DecoderModel:
             out = out.to(self.dtype)
         return residual_product(layer.o, out)
 
-    def _fused_qkv_runs(self, layer: Layer, k_cache: torch.Tensor, backend: AttentionBackend, meta: object) -> bool:
-        """Whether this layer's q (bf16), k and v (fp16) come from :mod:`.fused.prefill_qkv` in one pass: where this
-        forward multiplies every row of a hybrid qkv matrix in bf16 (its product is bf16 values), the backend attends
-        every query row in bf16 and the cache is fp16.  Not with q/k norms (Qwen3), which sit between the product and
+    def _fused_qkv_queries(self, layer: Layer, k_cache: torch.Tensor, backend: AttentionBackend,
+                           meta: object) -> torch.dtype | None:
+        """The dtype of the queries where this layer's q, k and v (fp16) come from :mod:`.fused.prefill_qkv` in one
+        pass, else ``None``: where this forward multiplies every row of a hybrid qkv matrix in bf16 (its product is
+        bf16 values), the backend attends every query row in one dtype (bf16: PyTorch's bf16 attention; fp32: the
+        compiled prefill kernel) and the cache is fp16.  Not with q/k norms (Qwen3), which sit between the product and
         the rotary."""
-        return (self.prefill_qkv is not None and layer.q_norm is None and isinstance(layer.qkv, HybridLinear)
-                and bf16_forward() and k_cache.dtype == torch.float16
-                and backend.prefill_query_dtype(meta) == torch.bfloat16)
+        if (self.prefill_qkv is None or layer.q_norm is not None or not isinstance(layer.qkv, HybridLinear)
+                or not bf16_forward() or k_cache.dtype != torch.float16):
+            return None
+        queries = backend.prefill_query_dtype(meta)
+        return queries if queries in (torch.bfloat16, torch.float32) else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``: no row in bf16, whatever forward of this

@@ -234,10 +234,11 @@ class ModelRunner(RunnerGraphs):
         return step
 
     def _prefill_qkv(self) -> PrefillQkv | None:
-        """The compiled q/k/v pass of prefill steps (:mod:`.fused.prefill_qkv`) where they can take it: hybrid matrices,
-        PyTorch's bf16 prefill attention, an fp16 cache (``DecoderModel._fused_qkv_runs`` checks each step)."""
-        bf16_attention = getattr(self.attention, "prefill_dtype", None) == torch.bfloat16
-        if "hybrid" not in self.model.weight_formats or not bf16_attention or self.kv_dtype != torch.float16:
+        """The compiled q/k/v pass of prefill steps (:mod:`.fused.prefill_qkv`) where they can take it: hybrid matrices
+        on a CPU, an fp16 cache (``DecoderModel._fused_qkv_queries`` checks each step)."""
+        dim = self.model.config.head_dim
+        if (self.device.type != "cpu" or "hybrid" not in self.model.weight_formats or self.kv_dtype != torch.float16
+                or dim % 2 or dim > prefill_qkv.MAX_DIM):
             return None
         kernel = prefill_qkv.load()
         log.info("bf16 prefill q/k/v: %s", "one compiled pass" if kernel

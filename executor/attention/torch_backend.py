@@ -294,10 +294,12 @@ class TorchAttention(AttentionBackend):
         return torch.bfloat16 if bf16_forward() else q.dtype
 
     def prefill_query_dtype(self, meta: _PrefillPlan | _DecodePlan) -> torch.dtype | None:
-        """``prefill_dtype`` for a CPU prefill plan of chunks all attended by PyTorch (no decode rows, no kernel)."""
-        if (not isinstance(meta, _PrefillPlan) or self.sdpa_prefill or meta.decode is not None
-                or any(c.kernel for c in meta.chunks)):
+        """For a CPU prefill plan without decode rows: ``prefill_dtype`` where PyTorch attends every chunk; fp32 where
+        the compiled prefill kernel takes some (it reads fp32 queries; the others, of one token, attend as given)."""
+        if not isinstance(meta, _PrefillPlan) or self.sdpa_prefill or meta.decode is not None:
             return None
+        if any(c.kernel for c in meta.chunks):
+            return torch.float32 if self.prefill_dtype is None else None
         return self.prefill_dtype
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,6 +1,7 @@
 /* A prefill step's queries, keys and values from its qkv product, in one pass: bias, rotary embedding and the
  * casts the attention and the KV cache want (hybrid matrices on CPUs with native bf16, where every row of the step
- * is multiplied in bf16 and attended by PyTorch's bf16 flash attention over an fp16 cache).
+ * is multiplied in bf16, over an fp16 cache: queries in bf16 for PyTorch's bf16 flash attention, in fp32 for the
+ * compiled prefill kernels).
  *
  * In PyTorch the same takes a widening pass over the product, a bias pass, the rotary's five passes (x * cos,
  * negate, concatenate, * sin, add) on q and on k, and three casts (q to bf16, k and v to fp16).  Here each row is
@@ -8,7 +9,7 @@
  *   x       = float(y) + bias                    (fp32; no bias: float(y), exact)
  *   rot[i]  = x[i] * cos[i] - x[i + h] * sin[i]        i < h = dim / 2   (x * cos + (-x2) * sin)
  *   rot[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h]               (x * cos + x1 * sin)
- *   q = bf16(rot_q), k = fp16(rot_k), v = fp16(x_v)   (to nearest, ties to even)
+ *   q = bf16(rot_q) or rot_q, k = fp16(rot_k), v = fp16(x_v)   (to nearest, ties to even)
  * each product and sum rounded to fp32 on its own: this file is compiled without -ffast-math and with
  * -ffp-contract=off (kernels/build.py), so no product is fused into an FMA.
  *
@@ -16,7 +17,7 @@
  *   y      [rows, (heads + 2 * kv_heads) * dim]  bf16 bits: the q, k, v columns of each row
  *   bias   [(heads + 2 * kv_heads) * dim]        fp32, or NULL
  *   cos, sin [rows, dim]                         fp32: each row's position's tables
- *   q      [rows, heads * dim]                   bf16 bits
+ *   q      [rows, heads * dim]                   bf16 bits (q_bf16) or fp32
  *   k, v   [rows, kv_heads * dim]                fp16 bits
  * Rows are split over `threads` OpenMP threads.  Returns 0; -2 where the build has no F16C
  * (prefill_qkv_available() says so); -3 for an odd or too large dim.
@@ -81,25 +82,29 @@ static void store_fp16(const float *restrict x, uint16_t *restrict dst, int n) {
     for (; i < n; i++) dst[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
-/* Heads [0, n) of one row: widened from y (+ bias), rotated unless cos is NULL, stored as bf16 or fp16. */
-static void heads_of(const uint16_t *y, const float *bias, const float *cos, const float *sin, int n, int dim,
-                     int to_bf16, uint16_t *dst) {
+enum { TO_FP32, TO_BF16, TO_FP16 };
+
+/* Heads [0, n) of one row: widened from y (+ bias), rotated unless cos is NULL, stored as `to` says. */
+static void heads_of(const uint16_t *y, const float *bias, const float *cos, const float *sin, int n, int dim, int to,
+                     void *dst) {
     float x[MAX_DIM], rot[MAX_DIM];
     for (int hd = 0; hd < n; hd++) {
         const int64_t at = (int64_t)hd * dim;
         widen(y + at, bias ? bias + at : NULL, x, dim);
         if (cos) rotate(x, cos, sin, rot, dim);
         const float *out = cos ? rot : x;
-        if (to_bf16)
-            store_bf16(out, dst + at, dim);
+        if (to == TO_FP32)
+            memcpy((float *)dst + at, out, sizeof(float) * dim);
+        else if (to == TO_BF16)
+            store_bf16(out, (uint16_t *)dst + at, dim);
         else
-            store_fp16(out, dst + at, dim);
+            store_fp16(out, (uint16_t *)dst + at, dim);
     }
 }
 #endif
 
 int prefill_qkv(const uint16_t *y, const float *bias, const float *cos, const float *sin, int64_t rows, int heads,
-                int kv_heads, int dim, uint16_t *q, uint16_t *k, uint16_t *v, int threads) {
+                int kv_heads, int dim, void *q, int q_bf16, uint16_t *k, uint16_t *v, int threads) {
 #if defined(__F16C__)
     if (dim <= 0 || dim % 2 || dim > MAX_DIM) return -3;
     const int64_t q_size = (int64_t)heads * dim, kv_size = (int64_t)kv_heads * dim, width = q_size + 2 * kv_size;
@@ -107,15 +112,16 @@ int prefill_qkv(const uint16_t *y, const float *bias, const float *cos, const fl
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *yr = y + r * width;
         const float *c = cos + r * dim, *s = sin + r * dim;
-        heads_of(yr, bias, c, s, heads, dim, 1, q + r * q_size);
-        heads_of(yr + q_size, bias ? bias + q_size : NULL, c, s, kv_heads, dim, 0, k + r * kv_size);
-        heads_of(yr + q_size + kv_size, bias ? bias + q_size + kv_size : NULL, NULL, NULL, kv_heads, dim, 0,
+        void *qr = q_bf16 ? (void *)((uint16_t *)q + r * q_size) : (void *)((float *)q + r * q_size);
+        heads_of(yr, bias, c, s, heads, dim, q_bf16 ? TO_BF16 : TO_FP32, qr);
+        heads_of(yr + q_size, bias ? bias + q_size : NULL, c, s, kv_heads, dim, TO_FP16, k + r * kv_size);
+        heads_of(yr + q_size + kv_size, bias ? bias + q_size + kv_size : NULL, NULL, NULL, kv_heads, dim, TO_FP16,
                  v + r * kv_size);
     }
     return 0;
 #else
     (void)y, (void)bias, (void)cos, (void)sin, (void)rows, (void)heads, (void)kv_heads, (void)dim, (void)q, (void)k;
-    (void)v, (void)threads;
+    (void)q_bf16, (void)v, (void)threads;
     return -2;
 #endif
 }

@@ -1,9 +1,9 @@
-"""The compiled prefill q/k/v step (``fused/prefill_qkv.c``): a bf16 qkv product's rows to rotated bf16 queries and
-fp16 keys and values in one pass, bitwise what PyTorch's passes give (widen, bias, the model's rotary, casts) for
-random rows of any head layout, with and without a bias, on any thread count, and at the delicate values (bf16 ties,
-fp32 subnormals, values past fp16's range, NaN); also in the AVX2 build; bad arguments refused; and a hybrid runner's
-logits bitwise the same with it as without it, whole, resumed and batched, for every architecture case (Qwen3's q/k
-norms keep PyTorch's passes)."""
+"""The compiled prefill q/k/v step (``fused/prefill_qkv.c``): a bf16 qkv product's rows to rotated queries (bf16 or
+fp32) and fp16 keys and values in one pass, bitwise what PyTorch's passes give (widen, bias, the model's rotary, casts)
+for random rows of any head layout, with and without a bias, on any thread count, and at the delicate values (bf16
+ties, fp32 subnormals, values past fp16's range, NaN); also in the AVX2 build; bad arguments refused; and a hybrid
+runner's logits bitwise the same with it as without it, whole, resumed and batched, for every architecture case (Qwen3's
+q/k norms keep PyTorch's passes), under PyTorch's bf16 attention and the compiled prefill kernels."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from engine_helpers import random_prompts
+from engine_helpers import cpu_has, random_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +28,8 @@ CPU = torch.device("cpu")
 
 
 def pytorch_passes(y: torch.Tensor, bias: torch.Tensor | None, rotary: Rotary, positions: torch.Tensor, heads: int,
-                   kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   kv_heads: int, queries: torch.dtype = torch.bfloat16,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the model and the attention backend do without the kernel."""
     t, dim = y.shape[0], rotary.cos.shape[-1]
     x = y.float()
@@ -38,12 +39,12 @@ def pytorch_passes(y: torch.Tensor, bias: torch.Tensor | None, rotary: Rotary, p
     cos, sin = rotary.tables(positions)
     q = rotary.apply(q.view(t, heads, dim), cos, sin)
     k = rotary.apply(k.reshape(t, kv_heads, dim), cos, sin)
-    return q.to(torch.bfloat16), k.to(torch.float16), v.reshape(t, kv_heads, dim).to(torch.float16)
+    return q.to(queries), k.to(torch.float16), v.reshape(t, kv_heads, dim).to(torch.float16)
 
 
-def through_kernel(y, bias, rotary, positions, heads, kv_heads, threads=1):
+def through_kernel(y, bias, rotary, positions, heads, kv_heads, threads=1, queries=torch.bfloat16):
     cos, sin = rotary.tables(positions)
-    return KERNEL(y, bias, cos.squeeze(1), sin.squeeze(1), heads, kv_heads, threads)
+    return KERNEL(y, bias, cos.squeeze(1), sin.squeeze(1), heads, kv_heads, threads, queries)
 
 
 def assert_same_bits(got, want) -> None:
@@ -51,15 +52,17 @@ def assert_same_bits(got, want) -> None:
         assert g.dtype == w.dtype and g.shape == w.shape
         nan = w.isnan()
         assert torch.equal(g.isnan(), nan)
-        assert torch.equal(g.view(torch.int16)[~nan], w.view(torch.int16)[~nan])
+        bits = torch.int32 if w.dtype == torch.float32 else torch.int16
+        assert torch.equal(g.view(bits)[~nan], w.view(bits)[~nan])
 
 
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 40), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
        dim=st.sampled_from([2, 6, 16, 64, 80, 128]), with_bias=st.booleans(), threads=st.integers(1, 3),
-       start=st.integers(0, 3000), scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16))
+       start=st.integers(0, 3000), scale=st.sampled_from([1e-3, 1.0, 300.0]),
+       queries=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
 def test_random_rows_come_out_bitwise_as_pytorchs_passes(rows, kv_heads, group, dim, with_bias, threads, start, scale,
-                                                        seed):
+                                                        queries, seed):
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     width = (heads + 2 * kv_heads) * dim
@@ -67,26 +70,32 @@ def test_random_rows_come_out_bitwise_as_pytorchs_passes(rows, kv_heads, group, 
     bias = torch.randn(width, generator=g) * scale if with_bias else None
     rotary = Rotary(dim, 10000.0, None, start + rows, torch.float32, CPU)
     positions = torch.arange(start, start + rows)
-    assert_same_bits(through_kernel(y, bias, rotary, positions, heads, kv_heads, threads),
-                     pytorch_passes(y, bias, rotary, positions, heads, kv_heads))
+    assert_same_bits(through_kernel(y, bias, rotary, positions, heads, kv_heads, threads, queries),
+                     pytorch_passes(y, bias, rotary, positions, heads, kv_heads, queries))
 
 
 def delicate_rows(dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of one head each for q, k and v, full of values whose rounding is delicate, and a bias."""
+    """Rows of one head each for q, k and v, full of values whose rounding is delicate, a bias with a NaN whose payload
+    is only in its low bits (bf16 rounding must not carry it into infinity), and a fifth row of zeros: the rotation's
+    exact cancellations (x * cos - x2 * sin of equal products) must give PyTorch's +0, not -0."""
     values = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-126, -(2**-130), 3e-39, 65504.0, 65520.0,
                            7e4, -1e30, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1 / 3, 2**-24, 2**-25])
-    y = values.repeat(-(-3 * dim * 4 // len(values)))[: 3 * dim * 4].view(4, 3 * dim).bfloat16()
-    bias = torch.tensor([2**-9, -(2**-9), 0.0, 1e-40] * (3 * dim // 4 + 1))[: 3 * dim]
+    y = values.repeat(-(-3 * dim * 4 // len(values)))[: 3 * dim * 4].view(4, 3 * dim)
+    y = torch.cat([y, torch.zeros(1, 3 * dim)]).bfloat16()
+    low_nan = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)
+    bias = torch.cat([low_nan, torch.tensor([2**-9, -(2**-9), 0.0, 1e-40] * (3 * dim // 4 + 1))])[: 3 * dim]
     return y, bias
 
 
 @pytest.mark.parametrize("dim", [16, 20])  # 16-wide vectors only; and a tail on either class
-def test_ties_subnormals_overflow_and_nan_come_out_as_pytorchs(dim):
+@pytest.mark.parametrize("queries", [torch.bfloat16, torch.float32])
+def test_ties_subnormals_overflow_and_nan_come_out_as_pytorchs(dim, queries):
     y, bias = delicate_rows(dim)
     rotary = Rotary(dim, 10000.0, None, 64, torch.float32, CPU)
-    positions = torch.tensor([0, 1, 17, 63])
+    positions = torch.tensor([0, 1, 17, 63, 32])
     for b in (bias, None):
-        assert_same_bits(through_kernel(y, b, rotary, positions, 1, 1), pytorch_passes(y, b, rotary, positions, 1, 1))
+        assert_same_bits(through_kernel(y, b, rotary, positions, 1, 1, queries=queries),
+                         pytorch_passes(y, b, rotary, positions, 1, 1, queries))
 
 
 def test_bad_arguments_are_refused():
@@ -102,6 +111,8 @@ def test_bad_arguments_are_refused():
         KERNEL(y, None, cos[:2], cos[:2], 4, 1)
     with pytest.raises(ValueError, match="contiguous"):
         KERNEL(torch.zeros(3, 2 * 6 * 8, dtype=torch.bfloat16)[:, ::2], None, cos, cos, 4, 1)
+    with pytest.raises(ValueError, match="queries"):
+        KERNEL(y, None, cos, cos, 4, 1, query_dtype=torch.float16)
     with pytest.raises(ValueError, match="odd"):
         KERNEL(torch.zeros(3, 6 * 7, dtype=torch.bfloat16), None, torch.zeros(3, 7), torch.zeros(3, 7), 4, 1)
 
@@ -135,17 +146,18 @@ def test_the_avx2_build_comes_out_as_pytorchs_passes(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "True"
 
 
-def hybrid_runner(path) -> ModelRunner:
-    return ModelRunner(path, dtype="float32", device="cpu", num_blocks=96, weights="hybrid",
-                       prefill_attention="torch-bf16", kv_cache_dtype="float16")
+ATTENTIONS = ["torch-bf16", "fp32", pytest.param("bf16", marks=pytest.mark.skipif(
+    not cpu_has("avx512_bf16"), reason="the compiled bf16 prefill kernel needs AVX512-BF16"))]
 
 
-def test_a_hybrid_runner_gives_the_same_logits_with_it_as_without(case, bf16_paths, monkeypatch):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_a_hybrid_runner_gives_the_same_logits_with_it_as_without(case, bf16_paths, attention, monkeypatch):
     """A prefill from nothing, a resume after it batched with a second sequence's chunk, and a mixed step with a
     riding decode (where the backend attends decode rows in fp32, so the kernel is not used), with the kernel and with
-    PyTorch's passes: bitwise the same logits; the kernel ran for every layer of the all-prefill steps except under
-    Qwen3's q/k norms."""
-    runner = hybrid_runner(bf16_paths[case.name])
+    PyTorch's passes, under PyTorch's bf16 attention (bf16 queries) and the compiled prefill kernels (fp32 queries):
+    bitwise the same logits; the kernel ran for every layer of the all-prefill steps except under Qwen3's q/k norms."""
+    runner = ModelRunner(bf16_paths[case.name], dtype="float32", device="cpu", num_blocks=96, weights="hybrid",
+                         prefill_attention=attention, kv_cache_dtype="float16")
     kernel = runner.model.prefill_qkv  # the loaded library's (another test may have had it loaded anew)
     assert isinstance(kernel, prefill_qkv.PrefillQkv)
     calls = []
