@@ -20,6 +20,7 @@ from agentserve.executor.linear import (
     DenseLinear,
     HybridLinear,
     Linear,
+    PackedFp16Linear,
     bf16_forward,
     bf16_rows,
     choose_format,
@@ -183,8 +184,10 @@ class DecoderModel:
         c, t = self.config, h.shape[0]
         queries = self._fused_qkv_queries(layer, k_cache, backend, meta)
         if queries is not None:  # bitwise the passes below and the backend's casts
-            q, k, v = self.prefill_qkv(layer.qkv.bf16_product(h), layer.qkv.bias, cos.squeeze(1), sin.squeeze(1),
-                                       c.num_heads, c.num_kv_heads, torch.get_num_threads(), queries)
+            hybrid = isinstance(layer.qkv, HybridLinear)  # else packed fp16: its product holds the bias
+            y, bias = (layer.qkv.bf16_product(h), layer.qkv.bias) if hybrid else (layer.qkv(h), None)
+            q, k, v = self.prefill_qkv(y, bias, cos.squeeze(1), sin.squeeze(1), c.num_heads, c.num_kv_heads,
+                                       torch.get_num_threads(), queries)
         else:
             q, k, v = layer.qkv(h).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = q.view(t, c.num_heads, c.head_dim)
@@ -203,15 +206,16 @@ class DecoderModel:
     def _fused_qkv_queries(self, layer: Layer, k_cache: torch.Tensor, backend: AttentionBackend,
                            meta: object) -> torch.dtype | None:
         """The dtype of the queries where this layer's q, k and v (fp16) come from :mod:`.fused.prefill_qkv` in one
-        pass, else ``None``: where this forward multiplies every row of a hybrid qkv matrix in bf16 (its product is
-        bf16 values), the backend attends every query row in one dtype (bf16: PyTorch's bf16 attention; fp32: the
-        compiled prefill kernel) and the cache is fp16.  Not with q/k norms (Qwen3), which sit between the product and
-        the rotary."""
-        if (self.prefill_qkv is None or layer.q_norm is not None or not isinstance(layer.qkv, HybridLinear)
-                or not bf16_forward() or k_cache.dtype != torch.float16):
+        pass, else ``None``: over an fp16 cache, where the backend attends every query row in one dtype (bf16:
+        PyTorch's bf16 attention; fp32: the compiled prefill kernels) and the qkv product is what the kernel reads — a
+        hybrid matrix's bf16 product in a forward that multiplies every row of it in bf16, or a packed fp16 matrix's
+        fp32 one under fp32 queries.  Not with q/k norms (Qwen3), which sit between the product and the rotary."""
+        if self.prefill_qkv is None or layer.q_norm is not None or k_cache.dtype != torch.float16:
             return None
         queries = backend.prefill_query_dtype(meta)
-        return queries if queries in (torch.bfloat16, torch.float32) else None
+        if isinstance(layer.qkv, HybridLinear) and bf16_forward():
+            return queries if queries in (torch.bfloat16, torch.float32) else None
+        return queries if isinstance(layer.qkv, PackedFp16Linear) and queries == torch.float32 else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``: no row in bf16, whatever forward of this

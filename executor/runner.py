@@ -234,11 +234,12 @@ class ModelRunner(RunnerGraphs):
         return step
 
     def _prefill_qkv(self) -> PrefillQkv | None:
-        """The compiled q/k/v pass of prefill steps (:mod:`.fused.prefill_qkv`) where they can take it: hybrid matrices
-        on a CPU, an fp16 cache (``DecoderModel._fused_qkv_queries`` checks each step)."""
+        """The compiled q/k/v pass of prefill steps (:mod:`.fused.prefill_qkv`) where they can take it: hybrid or packed
+        fp16 matrices on a CPU, an fp16 cache (``DecoderModel._fused_qkv_queries`` checks each step)."""
         dim = self.model.config.head_dim
-        if (self.device.type != "cpu" or "hybrid" not in self.model.weight_formats or self.kv_dtype != torch.float16
-                or dim % 2 or dim > prefill_qkv.MAX_DIM):
+        packed = {"hybrid", "fp16"} & set(self.model.weight_formats)
+        if (self.device.type != "cpu" or not packed or self.kv_dtype != torch.float16 or dim % 2
+                or dim > prefill_qkv.MAX_DIM):
             return None
         kernel = prefill_qkv.load()
         log.info("bf16 prefill q/k/v: %s", "one compiled pass" if kernel

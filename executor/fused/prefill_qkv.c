@@ -1,12 +1,12 @@
 /* A prefill step's queries, keys and values from its qkv product, in one pass: bias, rotary embedding and the
- * casts the attention and the KV cache want (hybrid matrices on CPUs with native bf16, where every row of the step
- * is multiplied in bf16, over an fp16 cache: queries in bf16 for PyTorch's bf16 flash attention, in fp32 for the
- * compiled prefill kernels).
+ * casts the attention and the KV cache want, over an fp16 cache: from a bf16 product (hybrid matrices on CPUs with
+ * native bf16, every row of the step multiplied in bf16) or an fp32 one (packed fp16 matrices, bias included);
+ * queries in bf16 for PyTorch's bf16 flash attention, in fp32 for the compiled prefill kernels.
  *
  * In PyTorch the same takes a widening pass over the product, a bias pass, the rotary's five passes (x * cos,
  * negate, concatenate, * sin, add) on q and on k, and three casts (q to bf16, k and v to fp16).  Here each row is
  * read once and written once, with the same arithmetic in the same order, so every output is bitwise PyTorch's:
- *   x       = float(y) + bias                    (fp32; no bias: float(y), exact)
+ *   x       = float(y) + bias                    (fp32; no bias: float(y), exact; fp32 rows: y + bias, or y)
  *   rot[i]  = x[i] * cos[i] - x[i + h] * sin[i]        i < h = dim / 2   (x * cos + (-x2) * sin)
  *   rot[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h]               (x * cos + x1 * sin)
  *   q = bf16(rot_q) or rot_q, k = fp16(rot_k), v = fp16(x_v)   (to nearest, ties to even)
@@ -14,7 +14,7 @@
  * -ffp-contract=off (kernels/build.py), so no product is fused into an FMA.
  *
  * Layouts (all contiguous):
- *   y      [rows, (heads + 2 * kv_heads) * dim]  bf16 bits: the q, k, v columns of each row
+ *   y      [rows, (heads + 2 * kv_heads) * dim]  bf16 bits, or fp32 (y_fp32: packed fp16 matrices' products)
  *   bias   [(heads + 2 * kv_heads) * dim]        fp32, or NULL
  *   cos, sin [rows, dim]                         fp32: each row's position's tables
  *   q      [rows, heads * dim]                   bf16 bits (q_bf16) or fp32
@@ -42,10 +42,16 @@ int prefill_qkv_available(void) {
 }
 
 #if defined(__F16C__)
-/* x[i] = float(y[i]) + bias[i] (bias may be NULL). */
-static void widen(const uint16_t *restrict y, const float *restrict bias, float *restrict x, int n) {
+/* x[i] = float(y[i]) + bias[i] (bias may be NULL); y holds bf16 bits, or fp32 values where y_fp32. */
+static void widen(const void *restrict y, int y_fp32, const float *restrict bias, float *restrict x, int n) {
+    if (y_fp32) {
+        const float *f = y;
+        for (int i = 0; i < n; i++) x[i] = bias ? f[i] + bias[i] : f[i];
+        return;
+    }
+    const uint16_t *b16 = y;
     for (int i = 0; i < n; i++) {
-        uint32_t u = (uint32_t)y[i] << 16;
+        uint32_t u = (uint32_t)b16[i] << 16;
         float f;
         memcpy(&f, &u, sizeof f);
         x[i] = bias ? f + bias[i] : f;
@@ -85,12 +91,13 @@ static void store_fp16(const float *restrict x, uint16_t *restrict dst, int n) {
 enum { TO_FP32, TO_BF16, TO_FP16 };
 
 /* Heads [0, n) of one row: widened from y (+ bias), rotated unless cos is NULL, stored as `to` says. */
-static void heads_of(const uint16_t *y, const float *bias, const float *cos, const float *sin, int n, int dim, int to,
-                     void *dst) {
+static void heads_of(const void *y, int y_fp32, const float *bias, const float *cos, const float *sin, int n, int dim,
+                     int to, void *dst) {
     float x[MAX_DIM], rot[MAX_DIM];
     for (int hd = 0; hd < n; hd++) {
         const int64_t at = (int64_t)hd * dim;
-        widen(y + at, bias ? bias + at : NULL, x, dim);
+        widen(y_fp32 ? (const void *)((const float *)y + at) : (const void *)((const uint16_t *)y + at), y_fp32,
+              bias ? bias + at : NULL, x, dim);
         if (cos) rotate(x, cos, sin, rot, dim);
         const float *out = cos ? rot : x;
         if (to == TO_FP32)
@@ -103,25 +110,29 @@ static void heads_of(const uint16_t *y, const float *bias, const float *cos, con
 }
 #endif
 
-int prefill_qkv(const uint16_t *y, const float *bias, const float *cos, const float *sin, int64_t rows, int heads,
-                int kv_heads, int dim, void *q, int q_bf16, uint16_t *k, uint16_t *v, int threads) {
+int prefill_qkv(const void *y, int y_fp32, const float *bias, const float *cos, const float *sin, int64_t rows,
+                int heads, int kv_heads, int dim, void *q, int q_bf16, uint16_t *k, uint16_t *v, int threads) {
 #if defined(__F16C__)
     if (dim <= 0 || dim % 2 || dim > MAX_DIM) return -3;
     const int64_t q_size = (int64_t)heads * dim, kv_size = (int64_t)kv_heads * dim, width = q_size + 2 * kv_size;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *yr = y + r * width;
+        const void *yr = y_fp32 ? (const void *)((const float *)y + r * width)
+                                : (const void *)((const uint16_t *)y + r * width);
+        const size_t elem = y_fp32 ? sizeof(float) : sizeof(uint16_t);
         const float *c = cos + r * dim, *s = sin + r * dim;
         void *qr = q_bf16 ? (void *)((uint16_t *)q + r * q_size) : (void *)((float *)q + r * q_size);
-        heads_of(yr, bias, c, s, heads, dim, q_bf16 ? TO_BF16 : TO_FP32, qr);
-        heads_of(yr + q_size, bias ? bias + q_size : NULL, c, s, kv_heads, dim, TO_FP16, k + r * kv_size);
-        heads_of(yr + q_size + kv_size, bias ? bias + q_size + kv_size : NULL, NULL, NULL, kv_heads, dim, TO_FP16,
-                 v + r * kv_size);
+        const char *yb = yr;
+        heads_of(yb, y_fp32, bias, c, s, heads, dim, q_bf16 ? TO_BF16 : TO_FP32, qr);
+        heads_of(yb + q_size * elem, y_fp32, bias ? bias + q_size : NULL, c, s, kv_heads, dim, TO_FP16,
+                 k + r * kv_size);
+        heads_of(yb + (q_size + kv_size) * elem, y_fp32, bias ? bias + q_size + kv_size : NULL, NULL, NULL, kv_heads,
+                 dim, TO_FP16, v + r * kv_size);
     }
     return 0;
 #else
     (void)y, (void)bias, (void)cos, (void)sin, (void)rows, (void)heads, (void)kv_heads, (void)dim, (void)q, (void)k;
-    (void)q_bf16, (void)v, (void)threads;
+    (void)y_fp32, (void)q_bf16, (void)v, (void)threads;
     return -2;
 #endif
 }

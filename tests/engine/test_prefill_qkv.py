@@ -1,9 +1,10 @@
-"""The compiled prefill q/k/v step (``fused/prefill_qkv.c``): a bf16 qkv product's rows to rotated queries (bf16 or
-fp32) and fp16 keys and values in one pass, bitwise what PyTorch's passes give (widen, bias, the model's rotary, casts)
-for random rows of any head layout, with and without a bias, on any thread count, and at the delicate values (bf16
-ties, fp32 subnormals, values past fp16's range, NaN); also in the AVX2 build; bad arguments refused; and a hybrid
-runner's logits bitwise the same with it as without it, whole, resumed and batched, for every architecture case (Qwen3's
-q/k norms keep PyTorch's passes), under PyTorch's bf16 attention and the compiled prefill kernels."""
+"""The compiled prefill q/k/v step (``fused/prefill_qkv.c``): a qkv product's rows (bf16 or fp32) to rotated queries
+(bf16 or fp32) and fp16 keys and values in one pass, bitwise what PyTorch's passes give (widen, bias, the model's
+rotary, casts) for random rows of any head layout, with and without a bias, on any thread count, and at the delicate
+values (bf16 ties, fp32 subnormals, values past fp16's range, NaN, exact cancellations); also in the AVX2 build; bad
+arguments refused; and a runner's logits bitwise the same with it as without it, whole, resumed and batched, for
+every architecture case (Qwen3's q/k norms keep PyTorch's passes), with hybrid and packed fp16 matrices, under
+PyTorch's bf16 attention and the compiled prefill kernels."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from agentserve.executor.fused import prefill_qkv
 from agentserve.executor.kernels import build
 from agentserve.executor.layers import Rotary
+from agentserve.executor.linear import fp16_packing_available
 from agentserve.executor.runner import ModelRunner, PrefillChunk
 
 KERNEL = prefill_qkv.load()
@@ -60,13 +62,14 @@ def assert_same_bits(got, want) -> None:
 @given(rows=st.integers(1, 40), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
        dim=st.sampled_from([2, 6, 16, 64, 80, 128]), with_bias=st.booleans(), threads=st.integers(1, 3),
        start=st.integers(0, 3000), scale=st.sampled_from([1e-3, 1.0, 300.0]),
-       queries=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
+       queries=st.sampled_from([torch.bfloat16, torch.float32]),
+       product=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
 def test_random_rows_come_out_bitwise_as_pytorchs_passes(rows, kv_heads, group, dim, with_bias, threads, start, scale,
-                                                        queries, seed):
+                                                        queries, product, seed):
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     width = (heads + 2 * kv_heads) * dim
-    y = (torch.randn(rows, width, generator=g) * scale).bfloat16()
+    y = (torch.randn(rows, width, generator=g) * scale).to(product)  # hybrid matrices' bf16, packed fp16's fp32
     bias = torch.randn(width, generator=g) * scale if with_bias else None
     rotary = Rotary(dim, 10000.0, None, start + rows, torch.float32, CPU)
     positions = torch.arange(start, start + rows)
@@ -102,7 +105,7 @@ def test_bad_arguments_are_refused():
     y, cos = torch.zeros(3, 6 * 8, dtype=torch.bfloat16), torch.zeros(3, 8)
     assert all(t.shape[0] == 3 for t in KERNEL(y, None, cos, cos, 4, 1))
     with pytest.raises(ValueError, match="bf16"):
-        KERNEL(y.float(), None, cos, cos, 4, 1)
+        KERNEL(y.half(), None, cos, cos, 4, 1)
     with pytest.raises(ValueError, match="heads"):
         KERNEL(y, None, cos, cos, 2, 1)  # the width is not (heads + 2 * kv_heads) * D
     with pytest.raises(ValueError, match="bias"):
@@ -121,6 +124,7 @@ AVX2_CHECK = """
 import torch
 from agentserve.executor.fused import prefill_qkv
 from agentserve.executor.layers import Rotary
+from agentserve.executor.linear import fp16_packing_available
 kernel = prefill_qkv.load()
 g = torch.Generator().manual_seed(5)
 heads, kv, dim, rows = 6, 2, 40, 300
@@ -146,17 +150,20 @@ def test_the_avx2_build_comes_out_as_pytorchs_passes(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "True"
 
 
-ATTENTIONS = ["torch-bf16", "fp32", pytest.param("bf16", marks=pytest.mark.skipif(
-    not cpu_has("avx512_bf16"), reason="the compiled bf16 prefill kernel needs AVX512-BF16"))]
+SETTINGS = [("hybrid", "torch-bf16"), ("hybrid", "fp32"), ("fp16", "fp32"), pytest.param("hybrid", "bf16",
+            marks=pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="the compiled bf16 kernel needs AVX512-BF16"))]
 
 
-@pytest.mark.parametrize("attention", ATTENTIONS)
-def test_a_hybrid_runner_gives_the_same_logits_with_it_as_without(case, bf16_paths, attention, monkeypatch):
+@pytest.mark.skipif(not fp16_packing_available(), reason="no FBGEMM fp16 linear in this build/CPU")
+@pytest.mark.parametrize("weights, attention", SETTINGS)
+def test_a_runner_gives_the_same_logits_with_it_as_without(case, bf16_paths, weights, attention, monkeypatch):
     """A prefill from nothing, a resume after it batched with a second sequence's chunk, and a mixed step with a
     riding decode (where the backend attends decode rows in fp32, so the kernel is not used), with the kernel and with
-    PyTorch's passes, under PyTorch's bf16 attention (bf16 queries) and the compiled prefill kernels (fp32 queries):
-    bitwise the same logits; the kernel ran for every layer of the all-prefill steps except under Qwen3's q/k norms."""
-    runner = ModelRunner(bf16_paths[case.name], dtype="float32", device="cpu", num_blocks=96, weights="hybrid",
+    PyTorch's passes, for hybrid matrices (bf16 products) under PyTorch's bf16 attention (bf16 queries) and the
+    compiled prefill kernels (fp32 queries), and for packed fp16 matrices (fp32 products) under the compiled fp32 kernel
+    (the AVX2-only class's default): bitwise the same logits; the kernel ran for every layer of the all-prefill steps
+    except under Qwen3's q/k norms."""
+    runner = ModelRunner(bf16_paths[case.name], dtype="float32", device="cpu", num_blocks=96, weights=weights,
                          prefill_attention=attention, kv_cache_dtype="float16")
     kernel = runner.model.prefill_qkv  # the loaded library's (another test may have had it loaded anew)
     assert isinstance(kernel, prefill_qkv.PrefillQkv)
