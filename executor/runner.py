@@ -242,7 +242,7 @@ class ModelRunner(RunnerGraphs):
                 or dim > prefill_qkv.MAX_DIM):
             return None
         kernel = prefill_qkv.load()
-        log.info("bf16 prefill q/k/v: %s", "one compiled pass" if kernel
+        log.info("prefill q/k/v: %s", "one compiled pass" if kernel
                  else "PyTorch's passes (the CPU library is unavailable or has no F16C)")
         return kernel
 
