@@ -184,10 +184,8 @@ class DecoderModel:
         c, t = self.config, h.shape[0]
         queries = self._fused_qkv_queries(layer, k_cache, backend, meta)
         if queries is not None:  # bitwise the passes below and the backend's casts
-            hybrid = isinstance(layer.qkv, HybridLinear)  # else packed fp16: its product holds the bias
-            y, bias = (layer.qkv.bf16_product(h), layer.qkv.bias) if hybrid else (layer.qkv(h), None)
-            q, k, v = self.prefill_qkv(y, bias, cos.squeeze(1), sin.squeeze(1), c.num_heads, c.num_kv_heads,
-                                       torch.get_num_threads(), queries)
+            q, k, v = self.prefill_qkv.parts(*self._qkv_inputs(layer, h), cos.squeeze(1), sin.squeeze(1),
+                                             torch.get_num_threads(), queries)
         else:
             q, k, v = layer.qkv(h).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = q.view(t, c.num_heads, c.head_dim)
@@ -203,14 +201,30 @@ class DecoderModel:
             out = out.to(self.dtype)
         return residual_product(layer.o, out)
 
+    def _qkv_inputs(
+        self, layer: Layer, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The q, k and v columns of the qkv product as :mod:`.fused.prefill_qkv` reads them, and the bias it adds: a
+        hybrid matrix's bf16 product and its bias, a packed fp16 one's fp32 product (its bias included); with q/k norms
+        (Qwen3) q and k through them, beside the fp32 product's v — what the passes of :meth:`_attention` rotate."""
+        c, t = self.config, h.shape[0]
+        if layer.q_norm is not None:
+            q, k, v = layer.qkv(h).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = rms_norm(q.view(t, c.num_heads, c.head_dim), layer.q_norm, c.rms_norm_eps)
+            k = rms_norm(k.view(t, c.num_kv_heads, c.head_dim), layer.k_norm, c.rms_norm_eps)
+            return q.view(t, -1), k.view(t, -1), v, None
+        hybrid = isinstance(layer.qkv, HybridLinear)
+        y, bias = (layer.qkv.bf16_product(h), layer.qkv.bias) if hybrid else (layer.qkv(h), None)
+        return (*y.split([c.q_size, c.kv_size, c.kv_size], dim=-1), bias)
+
     def _fused_qkv_queries(self, layer: Layer, k_cache: torch.Tensor, backend: AttentionBackend,
                            meta: object) -> torch.dtype | None:
         """The dtype of the queries where this layer's q, k and v (fp16) come from :mod:`.fused.prefill_qkv` in one
         pass, else ``None``: over an fp16 cache, where the backend attends every query row in one dtype (bf16:
         PyTorch's bf16 attention; fp32: the compiled prefill kernels) and the qkv product is what the kernel reads — a
         hybrid matrix's bf16 product in a forward that multiplies every row of it in bf16, or a packed fp16 matrix's
-        fp32 one under fp32 queries.  Not with q/k norms (Qwen3), which sit between the product and the rotary."""
-        if self.prefill_qkv is None or layer.q_norm is not None or k_cache.dtype != torch.float16:
+        fp32 one under fp32 queries (:meth:`_qkv_inputs`; with q/k norms, those run in PyTorch first)."""
+        if self.prefill_qkv is None or k_cache.dtype != torch.float16:
             return None
         queries = backend.prefill_query_dtype(meta)
         if isinstance(layer.qkv, HybridLinear) and bf16_forward():

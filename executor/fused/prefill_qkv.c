@@ -1,6 +1,7 @@
 /* A prefill step's queries, keys and values from its qkv product, in one pass: bias, rotary embedding and the
  * casts the attention and the KV cache want, over an fp16 cache: from a bf16 product (hybrid matrices on CPUs with
- * native bf16, every row of the step multiplied in bf16) or an fp32 one (packed fp16 matrices, bias included);
+ * native bf16, every row of the step multiplied in bf16) or an fp32 one (packed fp16 matrices, bias included;
+ * or any product with q and k through Qwen3's q/k norms);
  * queries in bf16 for PyTorch's bf16 flash attention, in fp32 for the compiled prefill kernels.
  *
  * In PyTorch the same takes a widening pass over the product, a bias pass, the rotary's five passes (x * cos,
@@ -13,8 +14,9 @@
  * each product and sum rounded to fp32 on its own: this file is compiled without -ffast-math and with
  * -ffp-contract=off (kernels/build.py), so no product is fused into an FMA.
  *
- * Layouts (all contiguous):
- *   y      [rows, (heads + 2 * kv_heads) * dim]  bf16 bits, or fp32 (y_fp32: packed fp16 matrices' products)
+ * Layouts (each row contiguous; the inputs' rows `*_stride` elements apart: column slices of one product, or q
+ * and k after Qwen3's q/k norms beside the product's v):
+ *   q_in   [rows, heads * dim], k_in and v_in [rows, kv_heads * dim]: bf16 bits, or fp32 (in_fp32)
  *   bias   [(heads + 2 * kv_heads) * dim]        fp32, or NULL
  *   cos, sin [rows, dim]                         fp32: each row's position's tables
  *   q      [rows, heads * dim]                   bf16 bits (q_bf16) or fp32
@@ -90,14 +92,18 @@ static void store_fp16(const float *restrict x, uint16_t *restrict dst, int n) {
 
 enum { TO_FP32, TO_BF16, TO_FP16 };
 
+/* Element `i` from `base`, an array of bf16 bits or of fp32 values. */
+static const void *at_elem(const void *base, int fp32, int64_t i) {
+    return fp32 ? (const void *)((const float *)base + i) : (const void *)((const uint16_t *)base + i);
+}
+
 /* Heads [0, n) of one row: widened from y (+ bias), rotated unless cos is NULL, stored as `to` says. */
 static void heads_of(const void *y, int y_fp32, const float *bias, const float *cos, const float *sin, int n, int dim,
                      int to, void *dst) {
     float x[MAX_DIM], rot[MAX_DIM];
     for (int hd = 0; hd < n; hd++) {
         const int64_t at = (int64_t)hd * dim;
-        widen(y_fp32 ? (const void *)((const float *)y + at) : (const void *)((const uint16_t *)y + at), y_fp32,
-              bias ? bias + at : NULL, x, dim);
+        widen(at_elem(y, y_fp32, at), y_fp32, bias ? bias + at : NULL, x, dim);
         if (cos) rotate(x, cos, sin, rot, dim);
         const float *out = cos ? rot : x;
         if (to == TO_FP32)
@@ -110,29 +116,28 @@ static void heads_of(const void *y, int y_fp32, const float *bias, const float *
 }
 #endif
 
-int prefill_qkv(const void *y, int y_fp32, const float *bias, const float *cos, const float *sin, int64_t rows,
+int prefill_qkv(const void *q_in, const void *k_in, const void *v_in, int64_t q_stride, int64_t k_stride,
+                int64_t v_stride, int in_fp32, const float *bias, const float *cos, const float *sin, int64_t rows,
                 int heads, int kv_heads, int dim, void *q, int q_bf16, uint16_t *k, uint16_t *v, int threads) {
 #if defined(__F16C__)
     if (dim <= 0 || dim % 2 || dim > MAX_DIM) return -3;
-    const int64_t q_size = (int64_t)heads * dim, kv_size = (int64_t)kv_heads * dim, width = q_size + 2 * kv_size;
+    const int64_t q_size = (int64_t)heads * dim, kv_size = (int64_t)kv_heads * dim;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const void *yr = y_fp32 ? (const void *)((const float *)y + r * width)
-                                : (const void *)((const uint16_t *)y + r * width);
-        const size_t elem = y_fp32 ? sizeof(float) : sizeof(uint16_t);
         const float *c = cos + r * dim, *s = sin + r * dim;
         void *qr = q_bf16 ? (void *)((uint16_t *)q + r * q_size) : (void *)((float *)q + r * q_size);
-        const char *yb = yr;
-        heads_of(yb, y_fp32, bias, c, s, heads, dim, q_bf16 ? TO_BF16 : TO_FP32, qr);
-        heads_of(yb + q_size * elem, y_fp32, bias ? bias + q_size : NULL, c, s, kv_heads, dim, TO_FP16,
-                 k + r * kv_size);
-        heads_of(yb + (q_size + kv_size) * elem, y_fp32, bias ? bias + q_size + kv_size : NULL, NULL, NULL, kv_heads,
-                 dim, TO_FP16, v + r * kv_size);
+        heads_of(at_elem(q_in, in_fp32, r * q_stride), in_fp32, bias, c, s, heads, dim, q_bf16 ? TO_BF16 : TO_FP32,
+                 qr);
+        heads_of(at_elem(k_in, in_fp32, r * k_stride), in_fp32, bias ? bias + q_size : NULL, c, s, kv_heads, dim,
+                 TO_FP16, k + r * kv_size);
+        heads_of(at_elem(v_in, in_fp32, r * v_stride), in_fp32, bias ? bias + q_size + kv_size : NULL, NULL, NULL,
+                 kv_heads, dim, TO_FP16, v + r * kv_size);
     }
     return 0;
 #else
-    (void)y, (void)bias, (void)cos, (void)sin, (void)rows, (void)heads, (void)kv_heads, (void)dim, (void)q, (void)k;
-    (void)y_fp32, (void)q_bf16, (void)v, (void)threads;
+    (void)q_in, (void)k_in, (void)v_in, (void)q_stride, (void)k_stride, (void)v_stride, (void)in_fp32, (void)bias;
+    (void)cos, (void)sin, (void)rows, (void)heads, (void)kv_heads, (void)dim, (void)q, (void)q_bf16, (void)k, (void)v;
+    (void)threads;
     return -2;
 #endif
 }
