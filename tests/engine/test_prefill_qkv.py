@@ -34,9 +34,7 @@ def pytorch_passes(y: torch.Tensor, bias: torch.Tensor | None, rotary: Rotary, p
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the model and the attention backend do without the kernel."""
     t, dim = y.shape[0], rotary.cos.shape[-1]
-    x = y.float()
-    if bias is not None:
-        x = x.add_(bias)
+    x = y.float() if bias is None else y.float() + bias  # never in place: for fp32 rows y.float() is y
     q, k, v = x.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     cos, sin = rotary.tables(positions)
     q = rotary.apply(q.view(t, heads, dim), cos, sin)
@@ -99,6 +97,37 @@ def test_ties_subnormals_overflow_and_nan_come_out_as_pytorchs(dim, queries):
     for b in (bias, None):
         assert_same_bits(through_kernel(y, b, rotary, positions, 1, 1, queries=queries),
                          pytorch_passes(y, b, rotary, positions, 1, 1, queries))
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 30), kv_heads=st.integers(1, 3), group=st.integers(1, 4), dim=st.sampled_from([6, 16, 64]),
+       threads=st.integers(1, 3), queries=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
+def test_q_and_k_given_apart_from_the_products_v_come_out_as_pytorchs_passes(rows, kv_heads, group, dim, threads,
+                                                                           queries, seed):
+    """Qwen3's layout: q and k through the q/k norms (their own tensors, fp32) beside the product's v column (a strided
+    slice); each input read with its own row stride."""
+    g = torch.Generator().manual_seed(seed)
+    heads = kv_heads * group
+    product = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g)
+    q_in, k_in = torch.randn(rows, heads * dim, generator=g), torch.randn(rows, kv_heads * dim, generator=g) * 3
+    v_in = product[:, (heads + kv_heads) * dim:]
+    rotary = Rotary(dim, 10000.0, None, rows + 7, torch.float32, CPU)
+    positions = torch.arange(7, 7 + rows)
+    cos, sin = rotary.tables(positions)
+    got = KERNEL.parts(q_in, k_in, v_in, None, cos.squeeze(1), sin.squeeze(1), threads, queries)
+    want = pytorch_passes(torch.cat([q_in, k_in, v_in], dim=1), None, rotary, positions, heads, kv_heads, queries)
+    assert_same_bits(got, want)
+
+
+def test_bad_parts_are_refused():
+    q, k, v, cos = torch.zeros(3, 32), torch.zeros(3, 8), torch.zeros(3, 8), torch.zeros(3, 8)
+    assert [t.shape for t in KERNEL.parts(q, k, v, None, cos, cos)] == [(3, 4, 8), (3, 1, 8), (3, 1, 8)]
+    for bad in ((q, k, v.bfloat16()), (q, k[:2], v), (q, k, torch.zeros(3, 16)), (q, k, torch.zeros(3, 16)[:, ::2]),
+                (q, torch.zeros(3, 12), torch.zeros(3, 12))):
+        with pytest.raises(ValueError, match="prefill qkv needs"):
+            KERNEL.parts(*bad, None, cos, cos)
+    with pytest.raises(ValueError, match="prefill qkv needs"):
+        KERNEL.parts(q, k, v, torch.zeros(47), cos, cos)  # the bias spans all three widths: 48
 
 
 def test_bad_arguments_are_refused():
@@ -168,8 +197,9 @@ SETTINGS = [("hybrid", "torch-bf16"), ("hybrid", "fp32"), ("fp16", "fp32"), pyte
 @pytest.mark.skipif(not fp16_packing_available(), reason="no FBGEMM fp16 linear in this build/CPU")
 @pytest.mark.parametrize("weights, attention", SETTINGS)
 def test_a_runner_gives_the_same_logits_with_it_as_without(case, bf16_paths, weights, attention, monkeypatch):
-    """A prefill from nothing, a resume after it batched with a second sequence's chunk, and a mixed step with a
-    riding decode (where the backend attends decode rows in fp32, so the kernel is not used), with the kernel and with
+    """A prefill from nothing, a resume after it batched with a second sequence's chunk, a mixed step with a riding
+    decode (where the backend attends decode rows in fp32, so the kernel is not used) and a prompt beside a one-token
+    prompt, with the kernel and with
     PyTorch's passes, for hybrid matrices (bf16 products) under PyTorch's bf16 attention (bf16 queries) and the
     compiled prefill kernels (fp32 queries), and for packed fp16 matrices (fp32 products) under the compiled fp32 kernel
     (the AVX2-only class's default): bitwise the same logits; the kernel ran for every layer of the all-prefill steps
@@ -179,10 +209,11 @@ def test_a_runner_gives_the_same_logits_with_it_as_without(case, bf16_paths, wei
     kernel = runner.model.prefill_qkv  # the loaded library's (another test may have had it loaded anew)
     assert isinstance(kernel, prefill_qkv.PrefillQkv)
     counted = Counted(kernel)
-    first, second, third = random_prompts([70, 23, 30], seed=3)
+    first, second, third, fourth = random_prompts([70, 23, 30, 40], seed=3)
     steps = [[PrefillChunk(first, 0, list(range(5)))],
              [PrefillChunk(second, 70, list(range(6))), PrefillChunk(third, 0, list(range(10, 12)))],
-             [PrefillChunk(third[:5], 30, list(range(10, 13))), PrefillChunk([7], 93, list(range(6)))]]
+             [PrefillChunk(third[:5], 30, list(range(10, 13))), PrefillChunk([7], 93, list(range(6)))],
+             [PrefillChunk(fourth, 0, list(range(20, 23))), PrefillChunk([9], 0, [30])]]
     outs = {}
     for step_kernel in (counted, None):
         monkeypatch.setattr(runner.model, "prefill_qkv", step_kernel)
@@ -190,5 +221,7 @@ def test_a_runner_gives_the_same_logits_with_it_as_without(case, bf16_paths, wei
         outs[step_kernel is None] = [runner.prefill(s, all_logits=True) for s in steps]
     for with_it, without in zip(outs[False], outs[True], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(with_it, without, strict=True))
+    # the last step's one-token prompt is not a bf16 row of hybrid matrices (not every row in bf16: no pass); with
+    # packed fp16 matrices the compiled kernel attends the long chunk and PyTorch the one token, both on fp32 queries
     layers = len(runner.model.layers)
-    assert counted.calls == 2 * layers
+    assert counted.calls == (3 if weights == "fp16" else 2) * layers
