@@ -79,7 +79,8 @@ class AllowedTools(_Body):
 
 class ToolChoiceObject(_Body):
     """``{"type": "function", "function": {"name": ...}}``: one call of that function; ``{"type": "allowed_tools",
-    "allowed_tools": {"mode": ..., "tools": [...]}}``: the request's tools narrowed to those, then ``mode``."""
+    "allowed_tools": {"mode": ..., "tools": [...]}}``: ``mode`` with calls of those tools only (every tool stays in
+    the prompt; :func:`~agentserve.gateway.chat_plan.allowed_tools_choice`)."""
 
     function: NamedFunction | None = None
     type: Literal["function", "allowed_tools"] = "function"

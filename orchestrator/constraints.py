@@ -7,7 +7,7 @@ grammar is the client's ``invalid_request``, and nothing runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -21,10 +21,11 @@ from agentserve.orchestrator.text.grammar import (
     tool_function,
 )
 from agentserve.orchestrator.text.tokenization import Tokenizer
-from agentserve.protocol.client_messages import Constraint, ErrorCode, ProtocolError, Turn
+from agentserve.protocol.client_messages import ErrorCode, ProtocolError, Turn
 from agentserve.protocol.sampling import MAX_GRAMMAR_BYTES, SamplingParams
 
 UNCONSTRAINED_CHOICES = ("", "auto", "none")
+T = TypeVar("T")
 
 
 def grammar_for(turn: Turn, tools: list[dict[str, Any]], tokenizer: Tokenizer, vocab_size: int) -> str:
@@ -35,13 +36,13 @@ def grammar_for(turn: Turn, tools: list[dict[str, Any]], tokenizer: Tokenizer, v
     compile).  A schema with ``tool_choice`` ``auto`` and tools: the schema's JSON or calls of any tool; else the
     schema's JSON alone.  Calls name only ``allowed_tools`` where the constraint lists them."""
     c = turn.constraint
-    forced = _forced(c)
+    forced = c is not None and c.tool_choice not in UNCONSTRAINED_CHOICES
     if c is None or (not c.json_schema and not forced):
         return ""
     if turn.token_ids:
         raise GrammarError("constrained output needs a chat turn (messages), not raw token ids", "")
     tagged = tokenizer.token_to_id("<tool_call>") is not None and tokenizer.token_to_id("</tool_call>") is not None
-    fmt, callees = tokenizer.tool_call_format, _allowed(tools, c.allowed_tools)
+    fmt, callees = tokenizer.tool_call_format, _blamed("tools", lambda: _allowed(tools, c.allowed_tools))
     answer = ""
     if c.json_schema:  # checked on its own: a union with calls would hide a schema that allows nothing
         answer = _blamed("response_format", lambda: _checked(json_schema_grammar(c.json_schema), tokenizer, vocab_size))
@@ -66,10 +67,10 @@ def _allowed(tools: list[dict[str, Any]], names: tuple[str, ...]) -> list[dict[s
     return [t for t, n in zip(tools, known, strict=True) if n in names]
 
 
-def _blamed(param: str, compile_grammar: Callable[[], str]) -> str:
-    """``compile_grammar()``, its :class:`GrammarError` blaming ``param`` where it names no field itself."""
+def _blamed(param: str, work: Callable[[], T]) -> T:
+    """``work()``, its :class:`GrammarError` blaming ``param`` where it names no field itself."""
     try:
-        return compile_grammar()
+        return work()
     except GrammarError as e:
         if e.param is None:
             e.param = param
@@ -95,19 +96,7 @@ def constrained_sampling(turn: Turn, tools: list[dict[str, Any]], tokenizer: Tok
     try:
         grammar = grammar_for(turn, tools, tokenizer, vocab_size)
     except GrammarError as e:
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, str(e), turn.req, turn.session, _param(turn, e)) from None
+        # grammar_for names the field at fault on every error it raises (_blamed fills in the constraint's own)
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, str(e), turn.req, turn.session, e.param or "") from None
     return msgspec.structs.replace(params, grammar=grammar) if grammar else params
 
-
-def _param(turn: Turn, error: GrammarError) -> str:
-    """The OpenAI request field a grammar error blames: its own, else the constraint's (a JSON schema is the
-    request's ``response_format``, forced tool calls compile the session's ``tools``)."""
-    if error.param is not None:
-        return error.param
-    c = turn.constraint
-    return "response_format" if c is not None and c.json_schema and not _forced(c) else "tools"
-
-
-def _forced(c: Constraint | None) -> bool:
-    """Whether ``c`` forces a call (``required`` or a tool's name): the tool-call grammar, whatever its schema."""
-    return c is not None and c.tool_choice not in UNCONSTRAINED_CHOICES
